@@ -1,0 +1,75 @@
+//! The macro input as written: a struct header and loosely typed `key: value` entries.
+//!
+//! Parsing accepts any well-formed value for any key; what a key may hold is checked in
+//! `valid.rs`, so that one invocation reports every semantic error at once.
+
+use proc_macro2::Span;
+use syn::{Attribute, Ident, Visibility};
+
+/// `#[attrs] vis struct Name { entries }`.
+pub struct Input {
+    pub attrs: Vec<Attribute>,
+    pub vis: Visibility,
+    pub ident: Ident,
+    pub entries: Vec<Entry>,
+    /// The braces, for errors about the whole body (missing keys).
+    pub body_span: Span,
+}
+
+/// `key: value`.
+pub struct Entry {
+    pub key: Ident,
+    pub value: Value,
+}
+
+/// A value as written.
+pub enum Value {
+    /// An integer literal, possibly negative; `lit` keeps the span and text.
+    Int {
+        value: i128,
+        span: Span,
+        text: String,
+    },
+    /// A float literal (or an integer written where a float is expected), possibly negative.
+    Float {
+        value: f64,
+        span: Span,
+        text: String,
+    },
+    /// `true` / `false`.
+    Bool { value: bool, span: Span },
+    /// `[a, b, ...]`.
+    Array { items: Vec<Value>, span: Span },
+    /// `Name` or `Name { key: value, ... }`.
+    Named {
+        name: Ident,
+        fields: Option<(Vec<Entry>, Span)>,
+    },
+    /// A string literal (never valid; kept to point at it).
+    Str { span: Span },
+}
+
+impl Value {
+    pub fn span(&self) -> Span {
+        match self {
+            Value::Int { span, .. }
+            | Value::Float { span, .. }
+            | Value::Bool { span, .. }
+            | Value::Array { span, .. }
+            | Value::Str { span } => *span,
+            Value::Named { name, .. } => name.span(),
+        }
+    }
+
+    /// A short description for "expected X, found Y" messages.
+    pub fn describe(&self) -> String {
+        match self {
+            Value::Int { text, .. } => format!("the integer `{text}`"),
+            Value::Float { text, .. } => format!("the number `{text}`"),
+            Value::Bool { value, .. } => format!("`{value}`"),
+            Value::Array { .. } => "an array".into(),
+            Value::Named { name, .. } => format!("`{name}`"),
+            Value::Str { .. } => "a string".into(),
+        }
+    }
+}

@@ -1,0 +1,324 @@
+//! The layer, gradient and state types, the associated constants, initialization, and the
+//! device-generic operation methods (each forwards to the device's implementation).
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+
+use super::{acc, elem, lit, rt, Names};
+use crate::spec::{Init, Norm, Spec};
+
+/// One trainable parameter: its field name and its type with element type `ty`.
+pub struct Param {
+    pub name: syn::Ident,
+    pub shape: TokenStream,
+}
+
+impl Param {
+    pub fn ty(&self, elem: &TokenStream) -> TokenStream {
+        let rt = rt();
+        let shape = &self.shape;
+        if self.name == "weights" {
+            quote!(#rt::Tensor<#elem, #shape>)
+        } else {
+            quote!(#rt::Vector<#elem, #shape>)
+        }
+    }
+}
+
+/// The trainable parameters of a spec, in a fixed order (weights, biases, gamma, beta).
+pub fn params(spec: &Spec) -> Vec<Param> {
+    let (oc, kh, kw, ic) = (
+        lit(spec.out_channels),
+        lit(spec.kernel[0]),
+        lit(spec.kernel[1]),
+        lit(spec.in_c()),
+    );
+    let mut out = vec![
+        Param {
+            name: format_ident!("weights"),
+            shape: quote!(#oc, #kh, #kw, #ic),
+        },
+        Param {
+            name: format_ident!("biases"),
+            shape: quote!(#oc),
+        },
+    ];
+    if spec.norm != Norm::None {
+        out.push(Param {
+            name: format_ident!("gamma"),
+            shape: quote!(#oc),
+        });
+        out.push(Param {
+            name: format_ident!("beta"),
+            shape: quote!(#oc),
+        });
+    }
+    out
+}
+
+pub fn expand(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        device,
+    } = Names::of(spec);
+    let (attrs, vis) = (&spec.attrs, &spec.vis);
+    let t = elem(spec.dtype);
+    let a = acc(spec.dtype);
+    let oc = lit(spec.out_channels);
+    let (ih, iw, ic) = (lit(spec.in_h()), lit(spec.in_w()), lit(spec.in_c()));
+    let (oh, ow) = (lit(spec.out_h()), lit(spec.out_w()));
+    let batch = lit(spec.batch);
+    let params = params(spec);
+    let names: Vec<_> = params.iter().map(|p| &p.name).collect();
+    let param_tys: Vec<_> = params.iter().map(|p| p.ty(&t)).collect();
+    let grad_tys: Vec<_> = params.iter().map(|p| p.ty(&a)).collect();
+
+    let running = matches!(spec.norm, Norm::BatchNorm { .. });
+    let running_fields = running.then(|| {
+        quote! {
+            /// Running mean per channel (BatchNorm), in the accumulator type.
+            pub running_mean: #rt::Vector<#a, #oc>,
+            /// Running biased variance per channel (BatchNorm), in the accumulator type.
+            pub running_var: #rt::Vector<#a, #oc>,
+        }
+    });
+    let running_init = running.then(|| {
+        quote! {
+            running_mean: #rt::Vector::zeros(),
+            running_var: #rt::Vector::from_fn(|_| 1.0),
+        }
+    });
+    let running_names: Vec<syn::Ident> = if running {
+        vec![format_ident!("running_mean"), format_ident!("running_var")]
+    } else {
+        Vec::new()
+    };
+    let norm_init = (spec.norm != Norm::None).then(|| {
+        quote! {
+            gamma: #rt::Vector::from_fn(|_| <#t as #rt::Element>::from_f64(1.0)),
+            beta: #rt::Vector::zeros(),
+        }
+    });
+    let Init::KaimingUniform { legacy, scale } = spec.init;
+    let fan_in = lit(spec.fan_in());
+
+    // Statistics the forward pass keeps for the backward pass: per channel (BatchNorm) or per
+    // sample (LayerNorm).
+    let stats_len = match spec.norm {
+        Norm::None => None,
+        Norm::BatchNorm { .. } => ::core::option::Option::Some(oc.clone()),
+        Norm::LayerNorm { .. } => ::core::option::Option::Some(batch.clone()),
+    };
+    let stats_fields = stats_len.as_ref().map(|n| {
+        quote! {
+            /// The convolution's output with bias, before normalization.
+            conv: #rt::Tensor<#t, #batch, #oh, #ow, #oc>,
+            /// Mean of the normalization groups the forward pass used.
+            mean: #rt::Vector<#a, #n>,
+            /// 1 / sqrt(var + eps) of the same groups.
+            inv_std: #rt::Vector<#a, #n>,
+        }
+    });
+    let stats_names: Vec<syn::Ident> = if stats_len.is_some() {
+        ["conv", "mean", "inv_std"]
+            .iter()
+            .map(|n| format_ident!("{}", n))
+            .collect()
+    } else {
+        Vec::new()
+    };
+    let state_names: Vec<syn::Ident> = stats_names
+        .iter()
+        .cloned()
+        .chain([format_ident!("pre_activation"), format_ident!("output")])
+        .collect();
+
+    let consts = [
+        ("INPUT_HEIGHT", spec.in_h()),
+        ("INPUT_WIDTH", spec.in_w()),
+        ("INPUT_CHANNELS", spec.in_c()),
+        ("OUTPUT_HEIGHT", spec.out_h()),
+        ("OUTPUT_WIDTH", spec.out_w()),
+        ("OUTPUT_CHANNELS", spec.out_channels),
+        ("KERNEL_HEIGHT", spec.kernel[0]),
+        ("KERNEL_WIDTH", spec.kernel[1]),
+        ("STRIDE_HEIGHT", spec.stride[0]),
+        ("STRIDE_WIDTH", spec.stride[1]),
+        ("PADDING_HEIGHT", spec.padding[0]),
+        ("PADDING_WIDTH", spec.padding[1]),
+        ("BATCH_SIZE", spec.batch),
+    ]
+    .map(|(name, value)| {
+        let name = format_ident!("{}", name);
+        let value = lit(value);
+        quote!(pub const #name: usize = #value;)
+    });
+
+    let layer_doc = format!(
+        "Devices that can run [`{layer}`]: the CPU, and the other backends the runtime was built with."
+    );
+    let x_ty = quote!(#rt::Tensor<#t, #batch, #ih, #iw, #ic>);
+    let y_ty = quote!(#rt::Tensor<#t, #batch, #oh, #ow, #oc>);
+
+    quote! {
+        #(#attrs)*
+        #vis struct #layer {
+            #(
+                #[doc = ::core::concat!("Trainable parameter `", ::core::stringify!(#names), "`.")]
+                pub #names: #param_tys,
+            )*
+            #running_fields
+        }
+
+        /// Gradients of the layer's trainable parameters, in the accumulator type.
+        #vis struct #grads {
+            #(
+                #[doc = ::core::concat!("Gradient of `", ::core::stringify!(#names), "`.")]
+                pub #names: #grad_tys,
+            )*
+        }
+
+        /// What a forward pass keeps for the backward pass that follows it.
+        #vis struct #state {
+            #stats_fields
+            /// The activation's input.
+            pre_activation: #y_ty,
+            /// The layer's output.
+            output: #y_ty,
+        }
+
+        #[doc = #layer_doc]
+        #vis trait #device {
+            /// Inference on any batch.
+            fn evaluate<const __B: usize>(
+                &mut self,
+                layer: &#layer,
+                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
+            ) -> #rt::Result<()>;
+            /// Training-batch forward pass keeping what the backward pass needs.
+            fn forward(
+                &mut self,
+                layer: &mut #layer,
+                input: &#x_ty,
+                state: &mut #state,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()>;
+        }
+
+        impl #layer {
+            #(#consts)*
+
+            /// __A layer initialized by the spec's initializer.
+            pub fn new(rng: &mut #rt::Rng) -> Self {
+                let mut weights = #rt::Tensor::zeros();
+                let mut biases = #rt::Vector::zeros();
+                #rt::kaiming_uniform::<#t>(
+                    rng,
+                    weights.as_mut_slice(),
+                    biases.as_mut_slice(),
+                    #fan_in,
+                    #legacy,
+                    #scale,
+                );
+                Self { weights, biases, #norm_init #running_init }
+            }
+
+            /// Inference on any batch; BatchNorm uses the running statistics.
+            #[inline]
+            pub fn evaluate<D: #device, const __B: usize>(
+                &self,
+                device: &mut D,
+                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
+            ) -> #rt::Result<()> {
+                device.evaluate(self, input, output)
+            }
+
+            /// Forward pass on the training batch, keeping pre-activations and statistics in
+            /// `state`. `Mode::Train` uses batch statistics and updates BatchNorm's running ones.
+            #[inline]
+            pub fn forward<D: #device>(
+                &mut self,
+                device: &mut D,
+                input: &#x_ty,
+                state: &mut #state,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                device.forward(self, input, state, mode)
+            }
+        }
+
+        impl ::core::clone::Clone for #layer {
+            fn clone(&self) -> Self {
+                Self { #(#names: self.#names.clone(),)* #(#running_names: self.#running_names.clone(),)* }
+            }
+        }
+
+        impl ::core::fmt::Debug for #layer {
+            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                f.debug_struct(::core::stringify!(#layer))
+                    #(.field(::core::stringify!(#names), &self.#names))*
+                    #(.field(::core::stringify!(#running_names), &self.#running_names))*
+                    .finish()
+            }
+        }
+
+        impl #grads {
+            /// All-zero gradients.
+            pub fn zeros() -> Self {
+                Self { #(#names: ::core::default::Default::default(),)* }
+            }
+
+            /// Clears every gradient.
+            pub fn zero(&mut self) {
+                #(self.#names.fill(0.0);)*
+            }
+        }
+
+        impl ::core::clone::Clone for #grads {
+            fn clone(&self) -> Self {
+                Self { #(#names: self.#names.clone(),)* }
+            }
+        }
+
+        impl ::core::fmt::Debug for #grads {
+            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                f.debug_struct(::core::stringify!(#grads))
+                    #(.field(::core::stringify!(#names), &self.#names))*
+                    .finish()
+            }
+        }
+
+        impl #state {
+            /// Zeroed state.
+            pub fn new() -> Self {
+                Self { #(#state_names: ::core::default::Default::default(),)* }
+            }
+
+            /// The output of the last forward pass.
+            pub fn output(&self) -> &#y_ty {
+                &self.output
+            }
+
+            /// The activation's input in the last forward pass.
+            pub fn pre_activation(&self) -> &#y_ty {
+                &self.pre_activation
+            }
+
+            /// Zeroes everything the last forward pass left.
+            pub fn reset(&mut self) {
+                *self = Self::new();
+            }
+        }
+
+        impl ::core::default::Default for #state {
+            fn default() -> Self {
+                Self::new()
+            }
+        }
+    }
+}

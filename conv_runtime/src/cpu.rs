@@ -1,0 +1,153 @@
+//! The CPU device: scratch memory and the cache of weights repacked into kernel order.
+
+use std::any::Any;
+
+use crate::element::Real;
+
+/// Whether a forward pass trains (BatchNorm uses and updates batch statistics) or evaluates.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
+pub enum Mode {
+    /// Batch statistics; running statistics are updated.
+    #[default]
+    Train,
+    /// Running statistics, used as constants (also by the backward pass).
+    Eval,
+}
+
+/// Identifies one packed copy of parameters: the stamps of the tensors it was built from and
+/// the layout (a number the macro derives from the kernel's blocking).
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct PackKey {
+    pub stamps: [u64; 2],
+    pub layout: u64,
+}
+
+struct Packed {
+    key: PackKey,
+    last_use: u64,
+    data: Box<dyn Any + Send>,
+}
+
+/// Packed copies kept per device; enough for the layers of a typical network, each with a
+/// forward and a backward layout. Least recently used is dropped first.
+const PACK_CAPACITY: usize = 32;
+
+/// The generated CPU code's device: single-threaded, deterministic.
+///
+/// It owns reusable scratch memory and a small cache of weights repacked into the order each
+/// kernel reads them, keyed by the weights' content stamp (see [`crate::Tensor`]), so a
+/// parameter change costs one repack and an unchanged layer none.
+#[derive(Default)]
+pub struct Cpu {
+    packs: Vec<Packed>,
+    clock: u64,
+    scratch: Scratch,
+}
+
+/// Reusable scratch memory, one buffer per scalar type.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct Scratch {
+    f32: Vec<f32>,
+    f64: Vec<f64>,
+}
+
+impl std::fmt::Debug for Cpu {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cpu")
+            .field("packed_entries", &self.packs.len())
+            .finish()
+    }
+}
+
+/// Scalars the CPU device keeps scratch memory for.
+#[doc(hidden)]
+pub trait CpuScalar: Real {
+    fn buffer(scratch: &mut Scratch) -> &mut Vec<Self>;
+}
+
+impl CpuScalar for f32 {
+    fn buffer(scratch: &mut Scratch) -> &mut Vec<f32> {
+        &mut scratch.f32
+    }
+}
+
+impl CpuScalar for f64 {
+    fn buffer(scratch: &mut Scratch) -> &mut Vec<f64> {
+        &mut scratch.f64
+    }
+}
+
+/// What a generated kernel gets from the device for one call.
+#[doc(hidden)]
+pub struct Workspace<'a, A> {
+    /// Parameters in kernel order.
+    pub packed: &'a [A],
+    /// Zeroed scratch memory of the requested length.
+    pub scratch: &'a mut [A],
+}
+
+impl Cpu {
+    /// A device with empty caches.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Packed parameters for `key` (built by `pack` on a miss) and `scratch_len` zeroed scratch
+    /// elements.
+    #[doc(hidden)]
+    pub fn __workspace<A: CpuScalar>(
+        &mut self,
+        key: PackKey,
+        packed_len: usize,
+        pack: impl FnOnce(&mut [A]),
+        scratch_len: usize,
+    ) -> Workspace<'_, A> {
+        self.clock += 1;
+        let clock = self.clock;
+        let hit = self
+            .packs
+            .iter()
+            .position(|p| p.key == key && p.data.is::<Vec<A>>());
+        let index = match hit {
+            Some(i) => i,
+            None => {
+                let mut data = vec![A::zero(); packed_len];
+                pack(&mut data);
+                let entry = Packed {
+                    key,
+                    last_use: clock,
+                    data: Box::new(data),
+                };
+                if self.packs.len() < PACK_CAPACITY {
+                    self.packs.push(entry);
+                    self.packs.len() - 1
+                } else {
+                    let oldest = (0..self.packs.len())
+                        .min_by_key(|&i| self.packs[i].last_use)
+                        .unwrap_or(0);
+                    self.packs[oldest] = entry;
+                    oldest
+                }
+            }
+        };
+        self.packs[index].last_use = clock;
+        let buffer = A::buffer(&mut self.scratch);
+        buffer.clear();
+        buffer.resize(scratch_len, A::zero());
+        let packed = match self.packs[index].data.downcast_ref::<Vec<A>>() {
+            Some(v) => v.as_slice(),
+            None => unreachable!("the entry's type was checked when it was found or built"),
+        };
+        Workspace {
+            packed,
+            scratch: buffer.as_mut_slice(),
+        }
+    }
+
+    /// Drops every cached packed copy.
+    pub fn clear_cache(&mut self) {
+        self.packs.clear();
+    }
+}

@@ -1,0 +1,55 @@
+//! Runtime of `conv2d!`-generated layers.
+//!
+//! A user crate depends on this crate alone: it re-exports the [`conv2d!`] macro, and the code the
+//! macro generates reaches everything it needs through `::conv_runtime::__private`, never through
+//! what the user imported. Nothing here depends on a particular layer spec; every size the
+//! generated kernels use is a literal in the generated code.
+//!
+//! ```
+//! use conv_runtime::prelude::*;
+//!
+//! conv_runtime::conv2d! {
+//!     /// The first layer of the Nature DQN network.
+//!     pub struct Conv1 { input: [84, 84, 4], out_channels: 32, kernel: 8, stride: 4, activation: Relu }
+//! }
+//!
+//! let mut cpu = Cpu::default();
+//! let layer = Conv1::new(&mut Rng::seed_from_u64(0));
+//! let frames = Tensor::<f32, 2, 84, 84, 4>::from_fn(|i| (i % 7) as f32 / 7.0);
+//! let mut features = Tensor::<f32, 2, 20, 20, 32>::zeros();
+//! layer.evaluate(&mut cpu, &frames, &mut features).unwrap();
+//! assert_eq!(Conv1::OUTPUT_HEIGHT, 20);
+//! ```
+
+pub mod activation;
+mod cpu;
+mod element;
+mod error;
+pub mod init;
+mod rng;
+pub mod simd;
+mod tensor;
+
+pub use conv_macros::conv2d;
+pub use cpu::{Cpu, Mode};
+pub use element::{Element, Real};
+pub use error::{Error, Result};
+pub use half::{bf16, f16};
+pub use rng::Rng;
+pub use tensor::{ShapeError, Tensor, Vector};
+
+/// Everything a user of generated layers needs in scope.
+pub mod prelude {
+    pub use crate::{bf16, conv2d, f16, Cpu, Element, Mode, Rng, Tensor, Vector};
+}
+
+/// What generated code names. Not part of the public API.
+#[doc(hidden)]
+pub mod __private {
+    pub use crate::activation::{self, Activation};
+    pub use crate::cpu::{CpuScalar, PackKey, Workspace};
+    pub use crate::init::kaiming_uniform;
+    pub use crate::simd::{self, avx2_fma, Simd};
+    pub use crate::{bf16, f16, Cpu, Element, Error, Mode, Real, Result, Rng, Tensor, Vector};
+    pub use core::{option::Option, result::Result::Ok};
+}

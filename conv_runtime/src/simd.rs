@@ -1,0 +1,218 @@
+//! The vector operations generated kernels are written in.
+//!
+//! Generated kernels are generic over [`Simd`] and marked `#[inline(always)]`; the macro
+//! instantiates each twice, with the AVX2+FMA types inside a `#[target_feature]` function and
+//! with the portable types, and [`avx2_fma`] picks one per call. The AVX2 methods inline into the
+//! target-feature function, so the kernel body compiles to plain `vfmadd`/`vbroadcast` code.
+//! Both implementations have the same lane count, so blocking is identical on both paths.
+
+use crate::element::{Element, Real};
+
+/// A vector of `LANES` accumulator values.
+pub trait Simd: Copy {
+    /// The scalar type.
+    type Elem: Real;
+    /// Number of lanes.
+    const LANES: usize;
+
+    /// # Safety
+    /// Callers must run on a CPU with the features the implementation needs.
+    unsafe fn zero() -> Self;
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn splat(x: Self::Elem) -> Self;
+    /// # Safety
+    /// `p` is valid for `LANES` reads.
+    unsafe fn load(p: *const Self::Elem) -> Self;
+    /// # Safety
+    /// `p` is valid for `LANES` writes.
+    unsafe fn store(self, p: *mut Self::Elem);
+    /// `a * b + c` (fused where the hardware has it).
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self;
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn add(self, o: Self) -> Self;
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn mul(self, o: Self) -> Self;
+    /// Lane-wise maximum.
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn max(self, o: Self) -> Self;
+
+    /// Loads the first `n` lanes, the rest zero.
+    /// # Safety
+    /// `p` is valid for `n <= LANES` reads.
+    #[inline(always)]
+    unsafe fn load_partial(p: *const Self::Elem, n: usize) -> Self {
+        let mut tmp = [Self::Elem::zero(); 16];
+        std::ptr::copy_nonoverlapping(p, tmp.as_mut_ptr(), n);
+        Self::load(tmp.as_ptr())
+    }
+
+    /// Stores the first `n` lanes.
+    /// # Safety
+    /// `p` is valid for `n <= LANES` writes.
+    #[inline(always)]
+    unsafe fn store_partial(self, p: *mut Self::Elem, n: usize) {
+        let mut tmp = [Self::Elem::zero(); 16];
+        self.store(tmp.as_mut_ptr());
+        std::ptr::copy_nonoverlapping(tmp.as_ptr(), p, n);
+    }
+}
+
+/// Whether the AVX2+FMA kernels can run here (cached by the standard library's detection).
+#[inline]
+pub fn avx2_fma() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+/// Portable vectors of `L` lanes; LLVM vectorizes them for the baseline target.
+#[derive(Clone, Copy)]
+pub struct Lanes<R, const L: usize>([R; L]);
+
+/// Portable f32 vectors, as wide as [`Avx2F32`].
+pub type PortableF32 = Lanes<f32, 8>;
+/// Portable f64 vectors, as wide as [`Avx2F64`].
+pub type PortableF64 = Lanes<f64, 4>;
+
+impl<R: Real, const L: usize> Simd for Lanes<R, L> {
+    type Elem = R;
+    const LANES: usize = L;
+    #[inline(always)]
+    unsafe fn zero() -> Self {
+        Self([R::zero(); L])
+    }
+    #[inline(always)]
+    unsafe fn splat(x: R) -> Self {
+        Self([x; L])
+    }
+    #[inline(always)]
+    unsafe fn load(p: *const R) -> Self {
+        Self(std::ptr::read_unaligned(p as *const [R; L]))
+    }
+    #[inline(always)]
+    unsafe fn store(self, p: *mut R) {
+        std::ptr::write_unaligned(p as *mut [R; L], self.0)
+    }
+    #[inline(always)]
+    unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+        // Separate multiply and add: `mul_add` without hardware FMA is a libm call.
+        Self(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn add(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] + o.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn mul(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] * o.0[i]))
+    }
+    #[inline(always)]
+    unsafe fn max(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| {
+            if self.0[i] > o.0[i] {
+                self.0[i]
+            } else {
+                o.0[i]
+            }
+        }))
+    }
+}
+
+#[cfg(target_arch = "x86_64")]
+pub use x86::{Avx2F32, Avx2F64};
+
+#[cfg(target_arch = "x86_64")]
+mod x86 {
+    use super::Simd;
+    use std::arch::x86_64::*;
+
+    /// Eight f32 lanes in a ymm register.
+    #[derive(Clone, Copy)]
+    pub struct Avx2F32(__m256);
+
+    /// Four f64 lanes in a ymm register.
+    #[derive(Clone, Copy)]
+    pub struct Avx2F64(__m256d);
+
+    macro_rules! avx2 {
+        ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
+         $store:ident, $fma:ident, $add:ident, $mul:ident, $max:ident) => {
+            impl Simd for $ty {
+                type Elem = $elem;
+                const LANES: usize = $lanes;
+                #[inline(always)]
+                unsafe fn zero() -> Self {
+                    Self($zero())
+                }
+                #[inline(always)]
+                unsafe fn splat(x: $elem) -> Self {
+                    Self($splat(x))
+                }
+                #[inline(always)]
+                unsafe fn load(p: *const $elem) -> Self {
+                    Self($load(p))
+                }
+                #[inline(always)]
+                unsafe fn store(self, p: *mut $elem) {
+                    $store(p, self.0)
+                }
+                #[inline(always)]
+                unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+                    Self($fma(a.0, b.0, c.0))
+                }
+                #[inline(always)]
+                unsafe fn add(self, o: Self) -> Self {
+                    Self($add(self.0, o.0))
+                }
+                #[inline(always)]
+                unsafe fn mul(self, o: Self) -> Self {
+                    Self($mul(self.0, o.0))
+                }
+                #[inline(always)]
+                unsafe fn max(self, o: Self) -> Self {
+                    Self($max(self.0, o.0))
+                }
+            }
+        };
+    }
+
+    avx2!(
+        Avx2F32,
+        f32,
+        8,
+        __m256,
+        _mm256_setzero_ps,
+        _mm256_set1_ps,
+        _mm256_loadu_ps,
+        _mm256_storeu_ps,
+        _mm256_fmadd_ps,
+        _mm256_add_ps,
+        _mm256_mul_ps,
+        _mm256_max_ps
+    );
+    avx2!(
+        Avx2F64,
+        f64,
+        4,
+        __m256d,
+        _mm256_setzero_pd,
+        _mm256_set1_pd,
+        _mm256_loadu_pd,
+        _mm256_storeu_pd,
+        _mm256_fmadd_pd,
+        _mm256_add_pd,
+        _mm256_mul_pd,
+        _mm256_max_pd
+    );
+}
