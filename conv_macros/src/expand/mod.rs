@@ -1,6 +1,9 @@
 //! Validated [`Spec`] -> tokens. One module per output.
 
+mod backward;
 mod cpu;
+mod kernel;
+mod norm;
 mod types;
 
 use proc_macro2::{Literal, TokenStream};

@@ -174,6 +174,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
 
         /// Gradients of the layer's trainable parameters, in the accumulator type.
+        #[allow(dead_code)]
         #vis struct #grads {
             #(
                 #[doc = ::core::concat!("Gradient of `", ::core::stringify!(#names), "`.")]
@@ -182,6 +183,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
 
         /// What a forward pass keeps for the backward pass that follows it.
+        #[allow(dead_code)]
         #vis struct #state {
             #stats_fields
             /// The activation's input.
@@ -205,6 +207,37 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 layer: &mut #layer,
                 input: &#x_ty,
                 state: &mut #state,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()>;
+            /// Input gradient of the last forward pass.
+            fn backward_input(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()>;
+            /// Parameter gradients of the last forward pass, added into `grads`.
+            fn backward(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                grads: &mut #grads,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()>;
+            /// Input and parameter gradients in one pass.
+            #[allow(clippy::too_many_arguments)]
+            fn backward_full(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                grads: &mut #grads,
                 mode: #rt::Mode,
             ) -> #rt::Result<()>;
         }
@@ -249,6 +282,50 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 mode: #rt::Mode,
             ) -> #rt::Result<()> {
                 device.forward(self, input, state, mode)
+            }
+
+            /// Writes the gradient of the loss with respect to the input of the forward pass
+            /// that filled `state` (run in `mode`) into `d_input`.
+            #[inline]
+            pub fn backward_input<D: #device>(
+                &self,
+                device: &mut D,
+                state: &#state,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                device.backward_input(self, state, d_output, d_input, mode)
+            }
+
+            /// Adds the parameter gradients of the forward pass that filled `state` into `grads`.
+            #[inline]
+            pub fn backward<D: #device>(
+                &self,
+                device: &mut D,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                grads: &mut #grads,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                device.backward(self, state, input, d_output, grads, mode)
+            }
+
+            /// `backward_input` and `backward` in one pass over the data.
+            #[inline]
+            #[allow(clippy::too_many_arguments)]
+            pub fn backward_full<D: #device>(
+                &self,
+                device: &mut D,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                grads: &mut #grads,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                device.backward_full(self, state, input, d_output, d_input, grads, mode)
             }
         }
 

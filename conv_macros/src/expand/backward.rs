@@ -1,0 +1,361 @@
+//! Generated backward kernels and the backward pass that drives them.
+//!
+//! - Data gradient (the transposed convolution), scatter form: each output pixel adds
+//!   `W[:, kh, :, :]^T . dz[pixel]` into the row segment of the input it read, for every `kh`.
+//!   The segment `KW * IC` is contiguous in NHWC, so it is the SIMD dimension (not `IC` alone:
+//!   layers with few input channels, such as the first layer of an Atari network, keep their
+//!   vectors full), and the reduction runs over the output channels. Weights are repacked
+//!   (cached like the forward copy) into `[kh][block][oc][lanes]`.
+//! - Weight gradient: `dW[r][oc] += sum over pixels of x[pixel + offset(r)] * dz[pixel][oc]`
+//!   for the `KH * KW * IC` window positions `r`, with output channels as the SIMD dimension and
+//!   a `P x V` register block of (positions x channel vectors), over chunks of pixels whose
+//!   input offsets are computed once per chunk.
+//!
+//! Both read a zero-bordered input like the forward kernel, so there are no border branches.
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+
+use super::cpu::{layout_id, staged};
+use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::{lit, rt, Names};
+use crate::spec::Spec;
+
+/// Pixels per weight-gradient chunk: their input offsets live on the stack and their
+/// gradients (`QC * OC` values) stay in L1 across the position blocks.
+const CHUNK: usize = 64;
+
+pub fn expand(spec: &Spec) -> TokenStream {
+    let data = data_kernel(spec);
+    let weights = weights_kernel(spec);
+    let pass = backward_pass(spec);
+    quote! {
+        #data
+        #weights
+        #pass
+    }
+}
+
+fn data_kernel(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let segment = spec.kernel[1] * spec.in_c();
+    let blk = Blocking::new(spec.dtype, segment);
+    let l = blk.lanes;
+    let calls = blk.blocks().into_iter().map(|b| {
+        let tile = format_ident!("data_tile_{}_{}", b.nv, b.last_lanes);
+        let first = lit(b.first * l);
+        quote! {
+            let dsts: [*mut __A; DP] = ::core::array::from_fn(|p| rows[p].add(#first));
+            #tile::<S>(&dzs, w.add(kh * OC * SEGP + OC * #first), &dsts);
+        }
+    });
+    let packs = blk.blocks().into_iter().map(|b| {
+        let (first, width) = (lit(b.first * l), lit(b.nv * l));
+        quote! {
+            for kh in 0..KH {
+                for oc in 0..OC {
+                    for lane in 0..#width {
+                        let s = #first + lane;
+                        if s < SEG {
+                            out[kh * OC * SEGP + OC * #first + oc * #width + lane] =
+                                w[(oc * KH + kh) * SEG + s].to_acc();
+                        }
+                    }
+                }
+            }
+        }
+    });
+    let tiles = blk.kinds().into_iter().map(|(nv, last)| {
+        let name = format_ident!("data_tile_{}_{}", nv, last);
+        let width = lit(nv * l);
+        let init = init_accumulators(blk.p, nv, |_, _| quote!(S::zero()));
+        let step = fma_step(
+            blk.p,
+            nv,
+            |i| {
+                let i = lit(i);
+                quote!(*dzs[#i].add(oc))
+            },
+            |v| {
+                let off = lit(v * l);
+                quote!(w.add(oc * #width + #off))
+            },
+        );
+        let adds = write_accumulators(blk.p, nv, l, last, |acc, i, v, partial| {
+            let (i, off) = (lit(i), lit(v * l));
+            match partial {
+                Some(n) => {
+                    let n = lit(n);
+                    quote! {
+                        let d = dsts[#i].add(#off);
+                        S::load_partial(d, #n).add(#acc).store_partial(d, #n);
+                    }
+                }
+                None => quote! {
+                    let d = dsts[#i].add(#off);
+                    S::load(d).add(#acc).store(d);
+                },
+            }
+        });
+        quote! {
+            /// Adds `W^T . dz` of `DP` pixels into their input row segments (in order: the
+            /// segments of neighbouring pixels overlap when the stride is below the kernel).
+            #[inline(always)]
+            unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+                dzs: &[*const __A; DP], w: *const __A, dsts: &[*mut __A; DP],
+            ) {
+                #init
+                for oc in 0..OC {
+                    #step
+                }
+                #adds
+            }
+        }
+    });
+    let kernel = dispatched(
+        spec.dtype,
+        "data_tiles",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(dz: &[__A], w: &[__A], dx: &mut [__A], zero_row: &[__A]),
+        quote!(dz, w, dx, zero_row),
+        quote! {
+            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC && w.len() == DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == BATCH * XH * XW * IC && zero_row.len() >= OC);
+            let total = BATCH * NPIX;
+            let (dz, w, dx) = (dz.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
+            let mut q0 = 0;
+            while q0 < total {
+                // Pixels past the end of a partial tile read a zero gradient: they add nothing.
+                let dzs: [*const __A; DP] = ::core::array::from_fn(|p| {
+                    if q0 + p < total { dz.add((q0 + p) * OC) } else { zero_row.as_ptr() }
+                });
+                let bases: [*mut __A; DP] = ::core::array::from_fn(|p| {
+                    let q = if q0 + p < total { q0 + p } else { total - 1 };
+                    let (n, r) = (q / NPIX, q % NPIX);
+                    let (oh, ow) = (r / OW, r % OW);
+                    dx.add(((n * XH + oh * SH) * XW + ow * SW) * IC)
+                });
+                for kh in 0..KH {
+                    let rows: [*mut __A; DP] = ::core::array::from_fn(|p| bases[p].add(kh * XW * IC));
+                    #(#calls)*
+                }
+                q0 += DP;
+            }
+        },
+    );
+    let (seg, segp, dp) = (lit(segment), lit(blk.padded()), lit(blk.p));
+    let packed_len = lit(spec.kernel[0] * spec.out_channels * blk.padded());
+    let layout = layout_id(spec, 2);
+    quote! {
+        const SEG: usize = #seg;
+        const SEGP: usize = #segp;
+        const DP: usize = #dp;
+        const DATA_PACKED_LEN: usize = #packed_len;
+        const DATA_LAYOUT: u64 = #layout;
+
+        /// OHWI weights -> `[kh][block][oc][lanes of the (kw, ic) segment]`, zero-padded.
+        fn pack_data(w: &[__T], out: &mut [__A]) {
+            use #rt::Element as _;
+            #(#packs)*
+        }
+
+        #kernel
+        #(#tiles)*
+    }
+}
+
+fn weights_kernel(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let blk = Blocking::new(spec.dtype, spec.out_channels);
+    let l = blk.lanes;
+    let calls = blk.blocks().into_iter().map(|b| {
+        let tile = format_ident!("weight_tile_{}_{}", b.nv, b.last_lanes);
+        let first = lit(b.first * l);
+        quote! {
+            let dsts: [*mut __A; P] = ::core::array::from_fn(|i| rows[i].add(#first));
+            #tile::<S>(x, &xoff[..count], &offs, dz.add(q0 * OC + #first), &dsts);
+        }
+    });
+    let tiles = blk.kinds().into_iter().map(|(nv, last)| {
+        let name = format_ident!("weight_tile_{}_{}", nv, last);
+        let init = init_accumulators(blk.p, nv, |i, v| {
+            let (i, off) = (lit(i), lit(v * l));
+            quote!(S::load(dsts[#i].add(#off)))
+        });
+        let step = fma_step(
+            blk.p,
+            nv,
+            |i| {
+                let i = lit(i);
+                quote!(*xq.add(offs[#i]))
+            },
+            |v| {
+                let off = lit(v * l);
+                quote!(dzq.add(#off))
+            },
+        );
+        // Rows are `OCP` wide, so every vector stores whole; lanes past `OC` collect values
+        // of the next pixel's gradient and are never read.
+        let stores = write_accumulators(blk.p, nv, l, l, |acc, i, v, _| {
+            let (i, off) = (lit(i), lit(v * l));
+            quote!(#acc.store(dsts[#i].add(#off));)
+        });
+        let _ = last;
+        quote! {
+            /// Adds `x[pixel + offs[i]] * dz[pixel]` over the chunk's pixels into `P` rows.
+            #[inline(always)]
+            unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+                x: *const __A, xoff: &[usize], offs: &[usize; P], dz: *const __A,
+                dsts: &[*mut __A; P],
+            ) {
+                #init
+                for (k, &o) in xoff.iter().enumerate() {
+                    let (xq, dzq) = (x.add(o), dz.add(k * OC));
+                    #step
+                }
+                #stores
+            }
+        }
+    });
+    let kernel = dispatched(
+        spec.dtype,
+        "weight_tiles",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(x: &[__A], dz: &[__A], dw: &mut [__A]),
+        quote!(x, dz, dw),
+        quote! {
+            ::core::debug_assert!(x.len() >= BATCH * XH * XW * IC);
+            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC + L && dw.len() == (WINDOW + 1) * OCP);
+            let total = BATCH * NPIX;
+            let (x, dz, dw) = (x.as_ptr(), dz.as_ptr(), dw.as_mut_ptr());
+            let mut q0 = 0;
+            while q0 < total {
+                let count = if total - q0 < CHUNK { total - q0 } else { CHUNK };
+                let mut xoff = [0usize; CHUNK];
+                for (k, o) in xoff[..count].iter_mut().enumerate() {
+                    let (n, r) = ((q0 + k) / NPIX, (q0 + k) % NPIX);
+                    let (oh, ow) = (r / OW, r % OW);
+                    *o = ((n * XH + oh * SH) * XW + ow * SW) * IC;
+                }
+                let mut r0 = 0;
+                while r0 < WINDOW {
+                    // Positions past the window repeat the last one into the sink row.
+                    let offs: [usize; P] = ::core::array::from_fn(|i| {
+                        let r = if r0 + i < WINDOW { r0 + i } else { WINDOW - 1 };
+                        (r / SEG) * XW * IC + r % SEG
+                    });
+                    let rows: [*mut __A; P] = ::core::array::from_fn(|i| {
+                        dw.add(if r0 + i < WINDOW { r0 + i } else { WINDOW } * OCP)
+                    });
+                    #(#calls)*
+                    r0 += P;
+                }
+                q0 += CHUNK;
+            }
+        },
+    );
+    let chunk = lit(CHUNK);
+    quote! {
+        const CHUNK: usize = #chunk;
+        #kernel
+        #(#tiles)*
+    }
+}
+
+/// `backward_pass`: the output gradient through activation and norm (`d_conv`), then the bias,
+/// weight and input gradients that were asked for.
+fn backward_pass(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        ..
+    } = Names::of(spec);
+    let input = if staged(spec) {
+        quote! {
+            stage::<BATCH>(x, x_scratch);
+            let xa: &[__A] = x_scratch;
+        }
+    } else {
+        quote!(let xa: &[__A] = x;)
+    };
+    let store = if super::cpu::is_half(spec) {
+        quote!(<__T as #rt::Element>::from_acc_slice(src, dst))
+    } else {
+        quote!(dst.copy_from_slice(src))
+    };
+    quote! {
+        #[allow(clippy::too_many_arguments)]
+        fn backward_pass(
+            cpu: &mut #rt::Cpu,
+            layer: &#layer,
+            state: &#state,
+            x: &[__T],
+            d_output: &[__T],
+            d_input: ::core::option::Option<&mut [__T]>,
+            mut grads: ::core::option::Option<&mut #grads>,
+            mode: #rt::Mode,
+        ) {
+            let (data, weights) = (d_input.is_some(), grads.is_some());
+            let (key, packed_len) = if data {
+                let stamps = [layer.weights.stamp(), 0];
+                (#rt::PackKey { stamps, layout: DATA_LAYOUT }, DATA_PACKED_LEN)
+            } else {
+                (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
+            };
+            let dx_len = if data { BATCH * XH * XW * IC } else { 0 };
+            let dw_len = if weights { (WINDOW + 1) * OCP } else { 0 };
+            let x_len = if weights && STAGED { BATCH * XH * XW * IC } else { 0 };
+            let lens = (BATCH * NPIX * OC + L) + OC + dx_len + dw_len + x_len;
+            let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
+                key,
+                packed_len,
+                |out| {
+                    if data {
+                        pack_data(layer.weights.as_slice(), out)
+                    }
+                },
+                lens,
+            );
+            // `dz` has `L` zeros past its end for the weight kernel's whole-vector loads.
+            let (dz, rest) = scratch.split_at_mut(BATCH * NPIX * OC + L);
+            let (zero_row, rest) = rest.split_at_mut(OC);
+            let (dx, rest) = rest.split_at_mut(dx_len);
+            let (dw, x_scratch) = rest.split_at_mut(dw_len);
+            d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..BATCH * NPIX * OC]);
+
+            if let ::core::option::Option::Some(g) = grads {
+                #input
+                let db = g.biases.as_mut_slice();
+                for px in dz[..BATCH * NPIX * OC].chunks_exact(OC) {
+                    for c in 0..OC {
+                        db[c] += px[c];
+                    }
+                }
+                // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
+                unsafe { weight_tiles(xa, dz, dw) };
+                let gw = g.weights.as_mut_slice();
+                for r in 0..WINDOW {
+                    for c in 0..OC {
+                        gw[c * WINDOW + r] += dw[r * OCP + c];
+                    }
+                }
+            }
+
+            if let ::core::option::Option::Some(d_input) = d_input {
+                // SAFETY: as above.
+                unsafe { data_tiles(dz, packed, dx, zero_row) };
+                for n in 0..BATCH {
+                    for h in 0..IH {
+                        let src = &dx[((n * XH + h + PH) * XW + PW) * IC..][..IW * IC];
+                        let dst = &mut d_input[(n * IH + h) * IW * IC..][..IW * IC];
+                        #store;
+                    }
+                }
+            }
+        }
+    }
+}

@@ -1,0 +1,220 @@
+//! Building blocks of the emitted SIMD kernels: register blocking, the unrolled FMA step, and
+//! the AVX2/portable instantiation of a kernel.
+//!
+//! Every kernel is emitted once, generic over the runtime's `Simd` vectors, and instantiated
+//! for AVX2+FMA inside a `#[target_feature]` function and for the portable vectors; a
+//! dispatcher picks one per call from the CPU's features (cached by the standard library).
+//!
+//! The register tile is the only loop the macro unrolls: `P x V` accumulators, with
+//! `P * V <= 12` so that they, `V` vector loads and a broadcast fit AVX2's 16 vector registers.
+//! That budget bounds the code size of every kernel whatever the layer's size; the window and
+//! channel loops keep literal bounds and are left to LLVM.
+
+use proc_macro2::{Ident, TokenStream};
+use quote::{format_ident, quote};
+
+use super::{lit, rt};
+use crate::spec::Dtype;
+
+/// Accumulator registers per tile.
+const ACC_REGISTERS: usize = 12;
+/// Broadcast rows per tile at most: each needs a pointer register of its own.
+const MAX_ROWS: usize = 6;
+
+/// How a vectorized dimension of `len` elements is cut into register tiles.
+#[derive(Clone, Copy)]
+pub struct Blocking {
+    /// Lanes per vector.
+    pub lanes: usize,
+    /// Vectors covering the dimension, the last one possibly partial.
+    pub vectors: usize,
+    /// Elements in the dimension.
+    pub len: usize,
+    /// Vectors per full block.
+    pub v: usize,
+    /// Broadcast rows (pixels, or reduction positions) per tile.
+    pub p: usize,
+}
+
+/// One block of vectors: the first vector, how many, and the lanes its last vector stores.
+#[derive(Clone, Copy, PartialEq, Eq)]
+pub struct Block {
+    pub first: usize,
+    pub nv: usize,
+    pub last_lanes: usize,
+}
+
+impl Blocking {
+    pub fn new(dtype: Dtype, len: usize) -> Self {
+        let lanes = dtype.lanes();
+        let vectors = len.div_ceil(lanes);
+        // Three vectors when that covers the dimension exactly, else two (or one): wide enough
+        // that each broadcast feeds several FMAs, narrow enough for six rows per tile.
+        let v = match vectors {
+            1 => 1,
+            3 => 3,
+            _ => 2,
+        };
+        let p = (ACC_REGISTERS / v).min(MAX_ROWS);
+        Self {
+            lanes,
+            vectors,
+            len,
+            v,
+            p,
+        }
+    }
+
+    pub fn padded(&self) -> usize {
+        self.vectors * self.lanes
+    }
+
+    pub fn blocks(&self) -> Vec<Block> {
+        (0..self.vectors)
+            .step_by(self.v)
+            .map(|first| {
+                let nv = self.v.min(self.vectors - first);
+                let last_lanes = (self.len - (first + nv - 1) * self.lanes).min(self.lanes);
+                Block {
+                    first,
+                    nv,
+                    last_lanes,
+                }
+            })
+            .collect()
+    }
+
+    /// The distinct block shapes, one tile function each.
+    pub fn kinds(&self) -> Vec<(usize, usize)> {
+        let mut kinds = Vec::new();
+        for b in self.blocks() {
+            if !kinds.contains(&(b.nv, b.last_lanes)) {
+                kinds.push((b.nv, b.last_lanes));
+            }
+        }
+        kinds
+    }
+}
+
+/// The runtime's AVX2 and portable vector types for a dtype's accumulator.
+pub fn simd_types(dtype: Dtype) -> (TokenStream, TokenStream) {
+    let rt = rt();
+    match dtype {
+        Dtype::F64 => (quote!(#rt::simd::Avx2F64), quote!(#rt::simd::PortableF64)),
+        _ => (quote!(#rt::simd::Avx2F32), quote!(#rt::simd::PortableF32)),
+    }
+}
+
+pub fn accumulator(p: usize, v: usize) -> Ident {
+    format_ident!("acc_{}_{}", p, v)
+}
+
+/// Declares the `p x nv` accumulators with `init(p, v)`.
+pub fn init_accumulators(
+    p: usize,
+    nv: usize,
+    init: impl Fn(usize, usize) -> TokenStream,
+) -> TokenStream {
+    let decls = (0..p).flat_map(|i| {
+        let init = &init;
+        (0..nv).map(move |v| {
+            let (name, value) = (accumulator(i, v), init(i, v));
+            quote!(let mut #name = #value;)
+        })
+    });
+    quote!(#(#decls)*)
+}
+
+/// One reduction step: `nv` vector loads, `p` broadcasts, `p * nv` FMAs.
+pub fn fma_step(
+    p: usize,
+    nv: usize,
+    broadcast: impl Fn(usize) -> TokenStream,
+    load: impl Fn(usize) -> TokenStream,
+) -> TokenStream {
+    let loads = (0..nv).map(|v| {
+        let (name, value) = (format_ident!("w_{}", v), load(v));
+        quote!(let #name = S::load(#value);)
+    });
+    let rows = (0..p).map(|i| {
+        let (x, value) = (format_ident!("x_{}", i), broadcast(i));
+        let fmas = (0..nv).map(|v| {
+            let (acc, w) = (accumulator(i, v), format_ident!("w_{}", v));
+            quote!(#acc = S::fma(#x, #w, #acc);)
+        });
+        quote! {
+            let #x = S::splat(#value);
+            #(#fmas)*
+        }
+    });
+    quote! {
+        #(#loads)*
+        #(#rows)*
+    }
+}
+
+/// Writes each accumulator back: `store(acc, p, v, partial lanes or None)`.
+pub fn write_accumulators(
+    p: usize,
+    nv: usize,
+    lanes: usize,
+    last_lanes: usize,
+    write: impl Fn(&Ident, usize, usize, Option<usize>) -> TokenStream,
+) -> TokenStream {
+    let writes = (0..p).flat_map(|i| {
+        let write = &write;
+        (0..nv).map(move |v| {
+            let partial = (v + 1 == nv && last_lanes < lanes).then_some(last_lanes);
+            write(&accumulator(i, v), i, v, partial)
+        })
+    });
+    quote!(#(#writes)*)
+}
+
+/// `name_kernel::<S, ..>` (the body, generic over the vectors), `name_avx2` and `name`, the
+/// dispatcher. `generics` are extra const generics (`const N: usize, ...`), `args` their names.
+pub fn dispatched(
+    dtype: Dtype,
+    name: &str,
+    generics: TokenStream,
+    generic_args: TokenStream,
+    params: TokenStream,
+    args: TokenStream,
+    body: TokenStream,
+) -> TokenStream {
+    let rt = rt();
+    let (avx2, portable) = simd_types(dtype);
+    let name = format_ident!("{}", name);
+    let kernel = format_ident!("{}_kernel", name);
+    let avx2_fn = format_ident!("{}_avx2", name);
+    quote! {
+        #[inline(always)]
+        unsafe fn #kernel<S: #rt::Simd<Elem = __A>, #generics>(#params) {
+            #body
+        }
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn #avx2_fn<#generics>(#params) {
+            #kernel::<#avx2, #generic_args>(#args)
+        }
+
+        /// # Safety
+        /// The slices have the lengths the kernel's index arithmetic is built on.
+        #[inline(always)]
+        unsafe fn #name<#generics>(#params) {
+            #[cfg(target_arch = "x86_64")]
+            {
+                if #rt::avx2_fma() {
+                    return #avx2_fn::<#generic_args>(#args);
+                }
+            }
+            #kernel::<#portable, #generic_args>(#args)
+        }
+    }
+}
+
+/// A usize literal (re-exported for the kernel modules).
+pub fn n(v: usize) -> proc_macro2::Literal {
+    lit(v)
+}
