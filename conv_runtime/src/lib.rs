@@ -26,6 +26,8 @@ mod cpu;
 mod element;
 mod error;
 pub mod init;
+pub mod optim;
+mod params;
 mod rng;
 pub mod simd;
 mod tensor;
@@ -35,12 +37,17 @@ pub use cpu::{Cpu, Mode};
 pub use element::{Element, Real};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
+pub use optim::{Adam, Sgd};
+pub use params::{ParamTensor, Parameters};
 pub use rng::Rng;
 pub use tensor::{ShapeError, Tensor, Vector};
 
 /// Everything a user of generated layers needs in scope.
 pub mod prelude {
-    pub use crate::{bf16, conv2d, f16, Cpu, Element, Mode, Rng, Tensor, Vector};
+    pub use crate::{
+        bf16, conv2d, f16, Adam, Cpu, Element, Mode, ParamTensor, Parameters, Rng, Sgd, Tensor,
+        Vector,
+    };
 }
 
 /// What generated code names. Not part of the public API.
@@ -50,6 +57,9 @@ pub mod __private {
     pub use crate::cpu::{CpuScalar, PackKey, Workspace};
     pub use crate::init::kaiming_uniform;
     pub use crate::simd::{self, avx2_fma, Simd};
-    pub use crate::{bf16, f16, Cpu, Element, Error, Mode, Real, Result, Rng, Tensor, Vector};
+    pub use crate::{
+        bf16, f16, Cpu, Element, Error, Mode, ParamTensor, Parameters, Real, Result, Rng, Tensor,
+        Vector,
+    };
     pub use core::{option::Option, result::Result::Ok};
 }

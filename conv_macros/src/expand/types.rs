@@ -329,6 +329,55 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         }
 
+        impl #layer {
+            /// Copies `other`'s parameters (and running statistics) into this layer.
+            pub fn copy_from(&mut self, other: &Self) {
+                #(self.#names.as_mut_slice().copy_from_slice(other.#names.as_slice());)*
+                #(self.#running_names.as_mut_slice().copy_from_slice(other.#running_names.as_slice());)*
+            }
+
+            /// Sum of absolute differences to `other` over parameters and running statistics,
+            /// in f64 (rl_tools' `abs_diff`).
+            pub fn abs_diff(&self, other: &Self) -> f64 {
+                let mut sum = 0.0f64;
+                #(
+                    for (a, b) in self.#names.as_slice().iter().zip(other.#names.as_slice()) {
+                        sum += (<#t as #rt::Element>::to_f64(*a) - <#t as #rt::Element>::to_f64(*b)).abs();
+                    }
+                )*
+                #(
+                    for (a, b) in self.#running_names.as_slice().iter().zip(other.#running_names.as_slice()) {
+                        sum += (<#a as #rt::Element>::to_f64(*a) - <#a as #rt::Element>::to_f64(*b)).abs();
+                    }
+                )*
+                sum
+            }
+
+            /// Whether any parameter or running statistic is NaN.
+            pub fn is_nan(&self) -> bool {
+                false
+                    #(|| self.#names.as_slice().iter().any(|v| #rt::Element::is_nan(*v)))*
+                    #(|| self.#running_names.as_slice().iter().any(|v| #rt::Element::is_nan(*v)))*
+            }
+        }
+
+        impl #rt::Parameters for #layer {
+            type Elem = #t;
+            type Grads = #grads;
+
+            fn visit_mut(
+                &mut self,
+                grads: &#grads,
+                f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#t>, &[#a]),
+            ) {
+                #(f(::core::stringify!(#names), &mut self.#names, grads.#names.as_slice());)*
+            }
+
+            fn visit(&self, f: &mut dyn FnMut(&str, &[#t])) {
+                #(f(::core::stringify!(#names), self.#names.as_slice());)*
+            }
+        }
+
         impl ::core::clone::Clone for #layer {
             fn clone(&self) -> Self {
                 Self { #(#names: self.#names.clone(),)* #(#running_names: self.#running_names.clone(),)* }
@@ -353,6 +402,37 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// Clears every gradient.
             pub fn zero(&mut self) {
                 #(self.#names.fill(0.0);)*
+            }
+
+            /// Adds `other`'s gradients into these (e.g. from a second batch or worker).
+            pub fn add(&mut self, other: &Self) {
+                #(
+                    for (a, b) in self.#names.as_mut_slice().iter_mut().zip(other.#names.as_slice()) {
+                        *a += *b;
+                    }
+                )*
+            }
+
+            /// Copies `other`'s gradients into these.
+            pub fn copy_from(&mut self, other: &Self) {
+                #(self.#names.as_mut_slice().copy_from_slice(other.#names.as_slice());)*
+            }
+
+            /// The L2 norm of all gradients together, in f64.
+            pub fn norm(&self) -> f64 {
+                let mut sum = 0.0f64;
+                #(
+                    for v in self.#names.as_slice() {
+                        let v = <#a as #rt::Element>::to_f64(*v);
+                        sum += v * v;
+                    }
+                )*
+                sum.sqrt()
+            }
+
+            /// Whether any gradient is NaN.
+            pub fn is_nan(&self) -> bool {
+                false #(|| self.#names.as_slice().iter().any(|v| v.is_nan()))*
             }
         }
 
@@ -389,6 +469,11 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// Zeroes everything the last forward pass left.
             pub fn reset(&mut self) {
                 *self = Self::new();
+            }
+
+            /// Whether anything the last forward pass left is NaN.
+            pub fn is_nan(&self) -> bool {
+                false #(|| self.#state_names.as_slice().iter().any(|v| #rt::Element::is_nan(*v)))*
             }
         }
 
