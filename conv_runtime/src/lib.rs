@@ -26,6 +26,8 @@ mod cpu;
 mod element;
 mod error;
 pub mod init;
+#[cfg(feature = "onednn")]
+pub mod onednn;
 pub mod optim;
 mod params;
 mod rng;
