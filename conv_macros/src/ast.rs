@@ -24,16 +24,18 @@ pub struct Entry {
 
 /// A value as written.
 pub enum Value {
-    /// An integer literal, possibly negative; `lit` keeps the span and text.
+    /// An integer literal, possibly negative (`minus` is the sign's span), as written (`text`).
     Int {
         value: i128,
         span: Span,
+        minus: Option<Span>,
         text: String,
     },
-    /// A float literal (or an integer written where a float is expected), possibly negative.
+    /// A float literal, possibly negative, as written.
     Float {
         value: f64,
         span: Span,
+        minus: Option<Span>,
         text: String,
     },
     /// `true` / `false`.
@@ -61,13 +63,38 @@ impl Value {
         }
     }
 
+    /// An error covering the whole value (a negative number from its sign on).
+    pub fn error(&self, message: impl std::fmt::Display) -> syn::Error {
+        match self {
+            Value::Int {
+                span,
+                minus: Some(minus),
+                ..
+            }
+            | Value::Float {
+                span,
+                minus: Some(minus),
+                ..
+            } => {
+                // `Span::join` is unstable; an error spanned over two tokens covers both.
+                let tokens: proc_macro2::TokenStream =
+                    [Ident::new("minus", *minus), Ident::new("value", *span)]
+                        .into_iter()
+                        .map(proc_macro2::TokenTree::Ident)
+                        .collect();
+                syn::Error::new_spanned(tokens, message)
+            }
+            other => syn::Error::new(other.span(), message),
+        }
+    }
+
     /// A short description for "expected X, found Y" messages.
     pub fn describe(&self) -> String {
         match self {
             Value::Int { text, .. } => format!("the integer `{text}`"),
             Value::Float { text, .. } => format!("the number `{text}`"),
             Value::Bool { value, .. } => format!("`{value}`"),
-            Value::Array { .. } => "an array".into(),
+            Value::Array { items, .. } => format!("an array of {} values", items.len()),
             Value::Named { name, .. } => format!("`{name}`"),
             Value::Str { .. } => "a string".into(),
         }

@@ -15,12 +15,20 @@ use proc_macro::TokenStream;
 /// expansion time and every operation specialized to the spec. See `conv_runtime`'s API docs.
 #[proc_macro]
 pub fn conv2d(input: TokenStream) -> TokenStream {
-    let input = syn::parse_macro_input!(input as ast::Input);
-    let fallback = expand::fallback(&input);
+    let tokens = proc_macro2::TokenStream::from(input);
+    let input: ast::Input = match syn::parse2(tokens.clone()) {
+        Ok(input) => input,
+        Err(error) => {
+            // Still define the layer's names, so the syntax error is the only one.
+            let fallback = expand::struct_name(tokens)
+                .map(|name| expand::fallback(&[], &syn::Visibility::Inherited, &name));
+            let error = error.to_compile_error();
+            return quote::quote!(#error #fallback).into();
+        }
+    };
+    let fallback = expand::fallback(&input.attrs, &input.vis, &input.ident);
     match valid::validate(input) {
         Ok(spec) => expand::expand(&spec).into(),
-        // Still define the layer's names so the user sees the spec's errors, not a cascade of
-        // "cannot find type" errors at every use.
         Err(errors) => {
             let errors = errors.to_compile_error();
             quote::quote!(#errors #fallback).into()

@@ -60,16 +60,28 @@ fn parse_value(input: ParseStream) -> syn::Result<Value> {
         });
     }
     if input.peek(Token![-]) {
-        let minus: Token![-] = input.parse()?;
+        let sign: Token![-] = input.parse()?;
         return match parse_value(input)? {
-            Value::Int { value, span, text } => Ok(Value::Int {
+            Value::Int {
+                value,
+                span,
+                minus: None,
+                text,
+            } => Ok(Value::Int {
                 value: -value,
-                span: minus.span.join(span).unwrap_or(span),
+                span,
+                minus: Some(sign.span),
                 text: format!("-{text}"),
             }),
-            Value::Float { value, span, text } => Ok(Value::Float {
+            Value::Float {
+                value,
+                span,
+                minus: None,
+                text,
+            } => Ok(Value::Float {
                 value: -value,
-                span: minus.span.join(span).unwrap_or(span),
+                span,
+                minus: Some(sign.span),
                 text: format!("-{text}"),
             }),
             other => Err(syn::Error::new(other.span(), "expected a number after `-`")),
@@ -99,6 +111,7 @@ fn parse_value(input: ParseStream) -> syn::Result<Value> {
                 Ok(value) => Value::Int {
                     value,
                     span: i.span(),
+                    minus: None,
                     text,
                 },
                 Err(_) => return Err(syn::Error::new(i.span(), "integer literal out of range")),
@@ -107,6 +120,7 @@ fn parse_value(input: ParseStream) -> syn::Result<Value> {
         Lit::Float(f) => Value::Float {
             value: f.base10_parse::<f64>()?,
             span: f.span(),
+            minus: None,
             text: f.to_string(),
         },
         Lit::Bool(b) => Value::Bool {

@@ -1,12 +1,13 @@
 //! [`ast::Input`] -> [`Spec`]: every semantic check, each error at the token it is about.
 //!
 //! Errors are collected in a [`Ctxt`] and reported together, so one compile shows every
-//! independent mistake of an invocation.
+//! independent mistake of an invocation. Sizes are checked with saturating arithmetic: no
+//! input, however large, makes the macro panic or wrap around.
 
 use proc_macro2::Span;
 
 use crate::ast::{Entry, Input, Value};
-use crate::spec::{output_size, Activation, Dtype, Init, Norm, Spec};
+use crate::spec::{Activation, Dtype, Init, Norm, Spec};
 
 const KEYS: [&str; 10] = [
     "input",
@@ -21,9 +22,26 @@ const KEYS: [&str; 10] = [
     "init",
 ];
 
-/// Largest element count of any one tensor of a spec: sizes are checked to stay within what the
-/// generated code's index arithmetic and every backend's 32-bit sizes handle.
+/// Largest element count of any one tensor of a spec: what the generated index arithmetic and
+/// every backend's 32-bit sizes handle.
 const MAX_ELEMENTS: u128 = 1 << 31;
+
+/// Names people write for the ones this macro accepts (PyTorch's, and common spellings).
+const ALIASES: [(&str, &str); 13] = [
+    ("epsilon", "eps"),
+    ("float64", "f64"),
+    ("double", "f64"),
+    ("float32", "f32"),
+    ("float", "f32"),
+    ("float16", "f16"),
+    ("half", "f16"),
+    ("bfloat16", "bf16"),
+    ("kernel_size", "kernel"),
+    ("strides", "stride"),
+    ("pad", "padding"),
+    ("BatchNorm2d", "BatchNorm"),
+    ("GroupNorm", "LayerNorm"),
+];
 
 /// Collected errors (serde_derive's `Ctxt`).
 #[derive(Default)]
@@ -34,6 +52,11 @@ pub struct Ctxt {
 impl Ctxt {
     pub fn error(&mut self, span: Span, message: impl std::fmt::Display) {
         self.errors.push(syn::Error::new(span, message));
+    }
+
+    /// An error covering `value` as written.
+    pub fn at(&mut self, value: &Value, message: impl std::fmt::Display) {
+        self.errors.push(value.error(message));
     }
 
     /// All errors combined into one, or `Ok` when there are none.
@@ -52,9 +75,12 @@ impl Ctxt {
 pub fn validate(input: Input) -> syn::Result<Spec> {
     let mut cx = Ctxt::default();
     let mut seen: Vec<&Entry> = Vec::new();
+    // Keys a typo was taken for: they are not reported as missing as well.
+    let mut suggested: Vec<&str> = Vec::new();
     for entry in &input.entries {
         let key = entry.key.to_string();
         if !KEYS.contains(&key.as_str()) {
+            suggested.extend(suggestion(&key, &KEYS));
             cx.error(entry.key.span(), unknown("key", &key, &KEYS));
         } else if seen.iter().any(|e| e.key == entry.key) {
             cx.error(
@@ -66,10 +92,9 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
         }
     }
     let get = |key: &str| seen.iter().find(|e| e.key == key).map(|e| &e.value);
-
     let required = |cx: &mut Ctxt, key: &str, what: &str| {
         let value = get(key);
-        if value.is_none() {
+        if value.is_none() && !suggested.contains(&key) {
             cx.error(
                 input.ident.span(),
                 format_args!(
@@ -85,7 +110,7 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
     let kernel_v = required(&mut cx, "kernel", "a positive integer or `[height, width]`");
 
     let shape = input_v.and_then(|v| input_shape(&mut cx, v));
-    let out_channels = out_channels_v.and_then(|v| positive(&mut cx, v, "out_channels"));
+    let out_channels = out_channels_v.and_then(|v| integer(&mut cx, v, "out_channels", 1));
     let kernel = kernel_v.and_then(|v| pair(&mut cx, v, "kernel", 1));
     let stride = get("stride").map_or(Some([1, 1]), |v| pair(&mut cx, v, "stride", 1));
     let padding = get("padding").map_or(Some([0, 0]), |v| pair(&mut cx, v, "padding", 0));
@@ -93,7 +118,7 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
         named_choice(&mut cx, v, "activation", &Activation::ALL)
     });
     let norm = get("norm").map_or(Some(Norm::None), |v| norm(&mut cx, v));
-    let batch = get("batch").map_or(Some(1), |v| positive(&mut cx, v, "batch"));
+    let batch = get("batch").map_or(Some(1), |v| integer(&mut cx, v, "batch", 1));
     let dtype = get("dtype").map_or(Some(Dtype::F32), |v| {
         named_choice(&mut cx, v, "dtype", &Dtype::ALL)
     });
@@ -105,48 +130,65 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
         |v| init(&mut cx, v),
     );
 
+    let padded = |shape: [usize; 3], padding: [usize; 2], axis: usize| {
+        shape[axis].saturating_add(padding[axis].saturating_mul(2))
+    };
+    let mut fits = true;
     if let (Some(shape), Some(kernel), Some(padding)) = (shape, kernel, padding) {
         for (axis, name) in ["height", "width"].iter().enumerate() {
-            let padded = shape[axis] + 2 * padding[axis];
-            if kernel[axis] > padded {
-                let span = kernel_v.map_or(input.ident.span(), Value::span);
-                cx.error(
-                    span,
-                    format_args!(
-                        "kernel {name} {} is larger than the padded input {name} {padded} ({} + 2 * padding {}): use a kernel of at most {padded} or more padding",
-                        kernel[axis], shape[axis], padding[axis]
-                    ),
+            let room = padded(shape, padding, axis);
+            if kernel[axis] > room {
+                fits = false;
+                let message = format!(
+                    "kernel {name} {} is larger than the padded input {name} {room} ({} + 2 * padding {}): use a kernel of at most {room} or more padding",
+                    kernel[axis], shape[axis], padding[axis]
                 );
+                match kernel_v {
+                    Some(Value::Array { items, .. }) if items.len() == 2 => {
+                        cx.at(&items[axis], message)
+                    }
+                    Some(v) => cx.at(v, message),
+                    None => cx.error(input.ident.span(), message),
+                }
             }
         }
     }
 
-    if let (Some(shape), Some(oc), Some(kernel), Some(stride), Some(padding), Some(batch)) =
-        (shape, out_channels, kernel, stride, padding, batch)
+    if let (Some(shape), Some(oc), Some(kernel), Some(stride), Some(padding), Some(batch), true) =
+        (shape, out_channels, kernel, stride, padding, batch, fits)
     {
-        if kernel[0] <= shape[0] + 2 * padding[0] && kernel[1] <= shape[1] + 2 * padding[1] {
-            let oh = output_size(shape[0], padding[0], kernel[0], stride[0]) as u128;
-            let ow = output_size(shape[1], padding[1], kernel[1], stride[1]) as u128;
-            let (b, oc) = (batch as u128, oc as u128);
-            let [h, w, c] = shape.map(|s| s as u128);
-            let (ph, pw) = (h + 2 * padding[0] as u128, w + 2 * padding[1] as u128);
-            let tensors = [
-                ("input", b * ph * pw * c, input_v),
-                ("output", b * oh * ow * oc, out_channels_v),
-                (
-                    "weight",
-                    oc * kernel[0] as u128 * kernel[1] as u128 * c,
-                    kernel_v,
-                ),
-            ];
-            for (what, elements, value) in tensors {
-                if elements > MAX_ELEMENTS {
-                    cx.error(
-                        value.map_or(input.ident.span(), Value::span),
-                        format_args!(
-                            "the {what} tensor of this spec would have {elements} elements; at most 2^31 = {MAX_ELEMENTS} are supported: use smaller sizes or a smaller batch"
-                        ),
-                    );
+        let product = |factors: &[usize]| {
+            factors
+                .iter()
+                .fold(1u128, |p, &f| p.saturating_mul(f as u128))
+        };
+        let (ph, pw) = (padded(shape, padding, 0), padded(shape, padding, 1));
+        let (oh, ow) = (
+            (ph - kernel[0]) / stride[0] + 1,
+            (pw - kernel[1]) / stride[1] + 1,
+        );
+        let tensors = [
+            ("input", product(&[batch, ph, pw, shape[2]]), input_v),
+            ("output", product(&[batch, oh, ow, oc]), out_channels_v),
+            (
+                "weight",
+                product(&[oc, kernel[0], kernel[1], shape[2]]),
+                kernel_v,
+            ),
+        ];
+        for (what, elements, value) in tensors {
+            if elements > MAX_ELEMENTS {
+                let count = if elements == u128::MAX {
+                    "more than 2^127".to_string()
+                } else {
+                    elements.to_string()
+                };
+                let message = format!(
+                    "the {what} tensor of this spec would have {count} elements; at most 2^31 = {MAX_ELEMENTS} are supported: use smaller sizes or a smaller batch"
+                );
+                match value {
+                    Some(v) => cx.at(v, message),
+                    None => cx.error(input.ident.span(), message),
                 }
             }
         }
@@ -195,17 +237,30 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
     }
 }
 
-/// "unknown KIND `name`; expected one of: ..." with a suggestion for near misses.
-fn unknown(kind: &str, name: &str, choices: &[&str]) -> String {
-    let mut message = format!("unknown {kind} `{name}`");
-    let close = choices
-        .iter()
-        .min_by_key(|c| edit_distance(&c.to_lowercase(), &name.to_lowercase()));
-    if let Some(c) = close.filter(|c| edit_distance(&c.to_lowercase(), &name.to_lowercase()) <= 2) {
-        message += &format!(": did you mean `{c}`?");
+/// The accepted name `name` was probably meant to be, if any.
+fn suggestion<'a>(name: &str, choices: &[&'a str]) -> Option<&'a str> {
+    if let Some((_, to)) = ALIASES.iter().find(|(from, _)| *from == name) {
+        if let Some(c) = choices.iter().find(|c| *c == to) {
+            return Some(c);
+        }
     }
-    message += &format!(" Expected one of: {}", choices.join(", "));
-    message
+    let lower = name.to_lowercase();
+    choices
+        .iter()
+        .map(|c| (edit_distance(&c.to_lowercase(), &lower), *c))
+        .filter(|&(d, _)| d <= 2)
+        .min_by_key(|&(d, _)| d)
+        .map(|(_, c)| c)
+}
+
+/// "unknown KIND `name` (did you mean `x`?); expected one of: ...".
+fn unknown(kind: &str, name: &str, choices: &[&str]) -> String {
+    let hint =
+        suggestion(name, choices).map_or(String::new(), |c| format!(" (did you mean `{c}`?)"));
+    format!(
+        "unknown {kind} `{name}`{hint}; expected one of: {}",
+        choices.join(", ")
+    )
 }
 
 fn edit_distance(a: &str, b: &str) -> usize {
@@ -231,24 +286,24 @@ fn integer(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<usize
         "a positive integer"
     };
     match value {
-        Value::Int { value: v, span, .. } if *v >= min as i128 => match usize::try_from(*v) {
+        Value::Int { value: v, .. } if *v >= min as i128 => match usize::try_from(*v) {
             Ok(v) => Some(v),
             Err(_) => {
-                cx.error(*span, format_args!("`{what}` is too large"));
+                cx.at(value, format_args!("`{what}` is too large"));
                 None
             }
         },
-        Value::Int { value: v, span, .. } => {
+        Value::Int { value: v, text, .. } => {
             let problem = if *v < 0 { "negative" } else { "zero" };
-            cx.error(
-                *span,
-                format_args!("`{what}` must be {accepted}, found {problem} `{v}`"),
+            cx.at(
+                value,
+                format_args!("`{what}` must be {accepted}, found {problem} `{text}`"),
             );
             None
         }
         other => {
-            cx.error(
-                other.span(),
+            cx.at(
+                other,
                 format_args!("`{what}` must be {accepted}, found {}", other.describe()),
             );
             None
@@ -256,27 +311,23 @@ fn integer(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<usize
     }
 }
 
-fn positive(cx: &mut Ctxt, value: &Value, what: &str) -> Option<usize> {
-    integer(cx, value, what, 1)
-}
-
 /// A scalar or `[height, width]`.
 fn pair(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<[usize; 2]> {
     match value {
-        Value::Array { items, span } => {
-            if items.len() != 2 {
-                cx.error(
-                    *span,
-                    format_args!(
-                        "`{what}` takes one number or `[height, width]`, found {} values",
-                        items.len()
-                    ),
-                );
-                return None;
-            }
+        Value::Array { items, .. } if items.len() == 2 => {
             let h = integer(cx, &items[0], &format!("{what} height"), min);
             let w = integer(cx, &items[1], &format!("{what} width"), min);
             Some([h?, w?])
+        }
+        Value::Array { .. } => {
+            cx.at(
+                value,
+                format_args!(
+                    "`{what}` takes one number or `[height, width]`, found {}",
+                    value.describe()
+                ),
+            );
+            None
         }
         other => integer(cx, other, what, min).map(|v| [v, v]),
     }
@@ -285,14 +336,14 @@ fn pair(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<[usize; 
 fn input_shape(cx: &mut Ctxt, value: &Value) -> Option<[usize; 3]> {
     match value {
         Value::Array { items, .. } if items.len() == 3 => {
-            let h = positive(cx, &items[0], "input height");
-            let w = positive(cx, &items[1], "input width");
-            let c = positive(cx, &items[2], "input channels");
+            let h = integer(cx, &items[0], "input height", 1);
+            let w = integer(cx, &items[1], "input width", 1);
+            let c = integer(cx, &items[2], "input channels", 1);
             Some([h?, w?, c?])
         }
         other => {
-            cx.error(
-                other.span(),
+            cx.at(
+                other,
                 format_args!(
                     "`input` must be `[height, width, channels]`, found {}",
                     other.describe()
@@ -326,15 +377,12 @@ fn named_choice<T: Copy>(
             name,
             fields: Some(_),
         } => {
-            cx.error(
-                name.span(),
-                format_args!("`{what}` `{name}` takes no fields"),
-            );
+            cx.error(name.span(), format_args!("{what} `{name}` takes no fields"));
             None
         }
         other => {
-            cx.error(
-                other.span(),
+            cx.at(
+                other,
                 format_args!(
                     "expected a {what} name (one of: {}), found {}",
                     names.join(", "),
@@ -352,12 +400,20 @@ fn fields<'a>(cx: &mut Ctxt, of: &str, entries: &'a [Entry], allowed: &[&str]) -
     for e in entries {
         let key = e.key.to_string();
         if !allowed.contains(&key.as_str()) {
+            let hint = suggestion(&key, allowed)
+                .map_or(String::new(), |c| format!(" (did you mean `{c}`?)"));
             cx.error(
                 e.key.span(),
-                unknown(&format!("field of `{of}`"), &key, allowed),
+                format_args!(
+                    "unknown field `{key}` of `{of}`{hint}; expected one of: {}",
+                    allowed.join(", ")
+                ),
             );
         } else if out.iter().any(|o| o.key == e.key) {
-            cx.error(e.key.span(), format_args!("duplicate field `{key}`"));
+            cx.error(
+                e.key.span(),
+                format_args!("duplicate field `{key}` of `{of}`"),
+            );
         } else {
             out.push(e);
         }
@@ -365,43 +421,51 @@ fn fields<'a>(cx: &mut Ctxt, of: &str, entries: &'a [Entry], allowed: &[&str]) -
     out
 }
 
-fn number(cx: &mut Ctxt, value: &Value, what: &str) -> Option<f64> {
-    match value {
-        Value::Float { value, .. } => Some(*value),
-        Value::Int { value, .. } => Some(*value as f64),
-        other => {
-            cx.error(
-                other.span(),
-                format_args!("`{what}` must be a number, found {}", other.describe()),
-            );
-            None
-        }
-    }
-}
-
-fn field_number(
+/// A numeric field of `of` (or its default), checked by `valid`; the error names the accepted
+/// range `accepted` and shows the number as written.
+fn checked_number(
     cx: &mut Ctxt,
     fields: &[&Entry],
+    of: &str,
     key: &str,
     default: f64,
-    of: &str,
-) -> Option<(f64, Span)> {
-    match fields.iter().find(|e| e.key == key) {
-        Some(e) => number(cx, &e.value, &format!("{of} {key}")).map(|v| (v, e.value.span())),
-        None => Some((default, Span::call_site())),
-    }
-}
-
-fn eps(cx: &mut Ctxt, fields: &[&Entry], of: &str) -> Option<f64> {
-    let (eps, span) = field_number(cx, fields, "eps", 1e-5, of)?;
-    if !(eps > 0.0 && eps.is_finite()) {
-        cx.error(
-            span,
-            format_args!("`{of}` eps must be a finite number > 0, found {eps}"),
+    valid: impl Fn(f64) -> bool,
+    accepted: &str,
+) -> Option<f64> {
+    let Some(entry) = fields.iter().find(|e| e.key == key) else {
+        return Some(default);
+    };
+    let (value, text) = match &entry.value {
+        Value::Float { value, text, .. } => (*value, text),
+        Value::Int { value, text, .. } => (*value as f64, text),
+        other => {
+            cx.at(
+                other,
+                format_args!("`{of}` {key} must be a number, found {}", other.describe()),
+            );
+            return None;
+        }
+    };
+    if !valid(value) {
+        cx.at(
+            &entry.value,
+            format_args!("`{of}` {key} must be {accepted}, found `{text}`"),
         );
         return None;
     }
-    Some(eps)
+    Some(value)
+}
+
+fn eps(cx: &mut Ctxt, fields: &[&Entry], of: &str) -> Option<f64> {
+    checked_number(
+        cx,
+        fields,
+        of,
+        "eps",
+        1e-5,
+        |e| e > 0.0 && e.is_finite(),
+        "a finite number > 0",
+    )
 }
 
 fn norm(cx: &mut Ctxt, value: &Value) -> Option<Norm> {
@@ -411,35 +475,31 @@ fn norm(cx: &mut Ctxt, value: &Value) -> Option<Norm> {
         fields: entries,
     } = value
     else {
-        cx.error(
-            value.span(),
-            format_args!("expected a norm (`None`, `BatchNorm {{ momentum, eps }}` or `LayerNorm {{ eps }}`), found {}", value.describe()),
+        cx.at(
+            value,
+            format_args!(
+                "expected a norm (`None`, `BatchNorm {{ momentum, eps }}` or `LayerNorm {{ eps }}`), found {}",
+                value.describe()
+            ),
         );
         return None;
     };
-    let empty = Vec::new();
-    let entries = entries.as_ref().map_or(&empty, |(e, _)| e);
+    let entries = entries.as_ref().map_or(&[][..], |(e, _)| e.as_slice());
     match name.to_string().as_str() {
         "None" if entries.is_empty() => Some(Norm::None),
         "None" => {
-            cx.error(name.span(), "`None` takes no fields");
+            cx.error(name.span(), "norm `None` takes no fields");
             None
         }
         "BatchNorm" => {
             let f = fields(cx, "BatchNorm", entries, &["momentum", "eps"]);
-            let momentum = field_number(cx, &f, "momentum", 0.1, "BatchNorm");
-            if let Some((m, span)) = momentum {
-                if !(0.0..=1.0).contains(&m) {
-                    cx.error(
-                        span,
-                        format_args!("BatchNorm momentum must be in [0, 1], found {m}"),
-                    );
-                    return None;
-                }
-            }
+            let in_range = |m: f64| (0.0..=1.0).contains(&m);
+            let momentum =
+                checked_number(cx, &f, "BatchNorm", "momentum", 0.1, in_range, "in [0, 1]");
+            // Checked even when the momentum is wrong, so both errors show at once.
             let eps = eps(cx, &f, "BatchNorm");
             Some(Norm::BatchNorm {
-                momentum: momentum?.0,
+                momentum: momentum?,
                 eps: eps?,
             })
         }
@@ -462,8 +522,8 @@ fn init(cx: &mut Ctxt, value: &Value) -> Option<Init> {
         fields: entries,
     } = value
     else {
-        cx.error(
-            value.span(),
+        cx.at(
+            value,
             format_args!(
                 "expected an initializer (`KaimingUniform {{ legacy, scale }}`), found {}",
                 value.describe()
@@ -478,33 +538,51 @@ fn init(cx: &mut Ctxt, value: &Value) -> Option<Init> {
         );
         return None;
     }
-    let empty = Vec::new();
-    let entries = entries.as_ref().map_or(&empty, |(e, _)| e);
+    let entries = entries.as_ref().map_or(&[][..], |(e, _)| e.as_slice());
     let f = fields(cx, "KaimingUniform", entries, &["legacy", "scale"]);
     let legacy = match f.iter().find(|e| e.key == "legacy").map(|e| &e.value) {
         None => Some(true),
         Some(Value::Bool { value, .. }) => Some(*value),
         Some(other) => {
-            cx.error(
-                other.span(),
+            cx.at(
+                other,
                 format_args!(
-                    "`legacy` must be `true` or `false`, found {}",
+                    "`KaimingUniform` legacy must be `true` or `false`, found {}",
                     other.describe()
                 ),
             );
             None
         }
     };
-    let (scale, span) = field_number(cx, &f, "scale", 1.0, "KaimingUniform")?;
-    if !(scale > 0.0 && scale.is_finite()) {
-        cx.error(
-            span,
-            format_args!("KaimingUniform scale must be a finite number > 0, found {scale}"),
-        );
-        return None;
-    }
+    let positive = |s: f64| s > 0.0 && s.is_finite();
+    let scale = checked_number(
+        cx,
+        &f,
+        "KaimingUniform",
+        "scale",
+        1.0,
+        positive,
+        "a finite number > 0",
+    );
     Some(Init::KaimingUniform {
         legacy: legacy?,
-        scale,
+        scale: scale?,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn suggestions_cover_typos_and_aliases() {
+        assert_eq!(suggestion("kernal", &KEYS), Some("kernel"));
+        assert_eq!(suggestion("strides", &KEYS), Some("stride"));
+        assert_eq!(suggestion("epsilon", &["momentum", "eps"]), Some("eps"));
+        assert_eq!(
+            suggestion("float32", &["f64", "f32", "f16", "bf16"]),
+            Some("f32")
+        );
+        assert_eq!(suggestion("colour", &KEYS), None);
+    }
 }

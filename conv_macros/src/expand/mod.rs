@@ -9,7 +9,6 @@ mod types;
 use proc_macro2::{Literal, TokenStream};
 use quote::{format_ident, quote};
 
-use crate::ast::Input;
 use crate::spec::{Dtype, Spec};
 
 pub fn expand(spec: &Spec) -> TokenStream {
@@ -21,16 +20,86 @@ pub fn expand(spec: &Spec) -> TokenStream {
     }
 }
 
-/// Empty definitions of the names an invalid spec would have defined.
-pub fn fallback(input: &Input) -> TokenStream {
-    let (attrs, vis, name) = (&input.attrs, &input.vis, &input.ident);
+/// Stand-ins for the items an invalid spec would have defined: the names, the associated
+/// constants and the methods, accepting anything, so that the user sees the spec's errors and
+/// not a cascade of "cannot find" and "no method" errors at every use (thiserror's fallback).
+pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ident) -> TokenStream {
     let grads = format_ident!("{}Grads", name);
     let state = format_ident!("{}State", name);
+    let rt = rt();
+    let consts = types::CONSTANTS.iter().map(|c| {
+        let c = format_ident!("{}", c);
+        quote!(pub const #c: usize = 0;)
+    });
+    let stub = |method: &str, receiver: TokenStream, args: usize, ret: TokenStream| {
+        let method = format_ident!("{}", method);
+        let generics: Vec<_> = (0..args).map(|i| format_ident!("__A{}", i)).collect();
+        quote! {
+            #[allow(clippy::too_many_arguments)]
+            pub fn #method<#(#generics),*>(#receiver #(_: #generics),*) -> #ret {
+                ::core::unreachable!("invalid conv2d! spec")
+            }
+        }
+    };
+    let result = quote!(#rt::Result<()>);
+    let layer_methods = [
+        stub("new", quote!(), 1, quote!(Self)),
+        stub("evaluate", quote!(&self,), 3, result.clone()),
+        stub("forward", quote!(&mut self,), 4, result.clone()),
+        stub("backward_input", quote!(&self,), 5, result.clone()),
+        stub("backward", quote!(&self,), 6, result.clone()),
+        stub("backward_full", quote!(&self,), 7, result),
+        stub("copy_from", quote!(&mut self,), 1, quote!(())),
+        stub("abs_diff", quote!(&self,), 1, quote!(f64)),
+        stub("is_nan", quote!(&self,), 0, quote!(bool)),
+    ];
+    let grads_methods = [
+        stub("zeros", quote!(), 0, quote!(Self)),
+        stub("zero", quote!(&mut self,), 0, quote!(())),
+        stub("add", quote!(&mut self,), 1, quote!(())),
+        stub("copy_from", quote!(&mut self,), 1, quote!(())),
+        stub("norm", quote!(&self,), 0, quote!(f64)),
+        stub("is_nan", quote!(&self,), 0, quote!(bool)),
+    ];
+    let state_methods = [
+        stub("new", quote!(), 0, quote!(Self)),
+        stub("reset", quote!(&mut self,), 0, quote!(())),
+        stub("is_nan", quote!(&self,), 0, quote!(bool)),
+    ];
     quote! {
         #(#attrs)* #vis struct #name;
+        #[allow(dead_code)]
+        impl #name {
+            #(#consts)*
+            #(#layer_methods)*
+        }
         #vis struct #grads;
+        #[allow(dead_code)]
+        impl #grads {
+            #(#grads_methods)*
+        }
         #vis struct #state;
+        #[allow(dead_code)]
+        impl #state {
+            #(#state_methods)*
+        }
     }
+}
+
+/// The name after `struct` in tokens that did not parse, for the fallback.
+pub fn struct_name(tokens: proc_macro2::TokenStream) -> Option<syn::Ident> {
+    let mut tokens = tokens.into_iter();
+    while let Some(tree) = tokens.next() {
+        if let proc_macro2::TokenTree::Ident(i) = &tree {
+            if i == "struct" {
+                return match tokens.next() {
+                    Some(proc_macro2::TokenTree::Ident(name)) => Some(name),
+                    _ => None,
+                };
+            }
+        }
+    }
+    None
 }
 
 /// The runtime's private module, the only path generated code reaches the runtime through.

@@ -56,6 +56,39 @@ pub fn params(spec: &Spec) -> Vec<Param> {
     out
 }
 
+/// The associated constants every layer has.
+pub const CONSTANTS: [&str; 13] = [
+    "INPUT_HEIGHT",
+    "INPUT_WIDTH",
+    "INPUT_CHANNELS",
+    "OUTPUT_HEIGHT",
+    "OUTPUT_WIDTH",
+    "OUTPUT_CHANNELS",
+    "KERNEL_HEIGHT",
+    "KERNEL_WIDTH",
+    "STRIDE_HEIGHT",
+    "STRIDE_WIDTH",
+    "PADDING_HEIGHT",
+    "PADDING_WIDTH",
+    "BATCH_SIZE",
+];
+
+/// Whether the user's attributes derive `name` (then the macro does not implement it).
+fn derives(attrs: &[syn::Attribute], name: &str) -> bool {
+    attrs
+        .iter()
+        .filter(|a| a.path().is_ident("derive"))
+        .any(|a| {
+            let mut found = false;
+            // A derive list that does not parse is left for rustc to report.
+            let _ = a.parse_nested_meta(|meta| {
+                found |= meta.path.segments.last().is_some_and(|s| s.ident == name);
+                Ok(())
+            });
+            found
+        })
+}
+
 pub fn expand(spec: &Spec) -> TokenStream {
     let rt = rt();
     let Names {
@@ -136,25 +169,46 @@ pub fn expand(spec: &Spec) -> TokenStream {
         .chain([format_ident!("pre_activation"), format_ident!("output")])
         .collect();
 
-    let consts = [
-        ("INPUT_HEIGHT", spec.in_h()),
-        ("INPUT_WIDTH", spec.in_w()),
-        ("INPUT_CHANNELS", spec.in_c()),
-        ("OUTPUT_HEIGHT", spec.out_h()),
-        ("OUTPUT_WIDTH", spec.out_w()),
-        ("OUTPUT_CHANNELS", spec.out_channels),
-        ("KERNEL_HEIGHT", spec.kernel[0]),
-        ("KERNEL_WIDTH", spec.kernel[1]),
-        ("STRIDE_HEIGHT", spec.stride[0]),
-        ("STRIDE_WIDTH", spec.stride[1]),
-        ("PADDING_HEIGHT", spec.padding[0]),
-        ("PADDING_WIDTH", spec.padding[1]),
-        ("BATCH_SIZE", spec.batch),
-    ]
-    .map(|(name, value)| {
+    let values = [
+        spec.in_h(),
+        spec.in_w(),
+        spec.in_c(),
+        spec.out_h(),
+        spec.out_w(),
+        spec.out_channels,
+        spec.kernel[0],
+        spec.kernel[1],
+        spec.stride[0],
+        spec.stride[1],
+        spec.padding[0],
+        spec.padding[1],
+        spec.batch,
+    ];
+    let consts = CONSTANTS.iter().zip(values).map(|(name, value)| {
         let name = format_ident!("{}", name);
         let value = lit(value);
         quote!(pub const #name: usize = #value;)
+    });
+    let clone = (!derives(attrs, "Clone")).then(|| {
+        quote! {
+            impl ::core::clone::Clone for #layer {
+                fn clone(&self) -> Self {
+                    Self { #(#names: self.#names.clone(),)* #(#running_names: self.#running_names.clone(),)* }
+                }
+            }
+        }
+    });
+    let debug = (!derives(attrs, "Debug")).then(|| {
+        quote! {
+            impl ::core::fmt::Debug for #layer {
+                fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
+                    f.debug_struct(::core::stringify!(#layer))
+                        #(.field(::core::stringify!(#names), &self.#names))*
+                        #(.field(::core::stringify!(#running_names), &self.#running_names))*
+                        .finish()
+                }
+            }
+        }
     });
 
     let layer_doc = format!(
@@ -378,20 +432,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         }
 
-        impl ::core::clone::Clone for #layer {
-            fn clone(&self) -> Self {
-                Self { #(#names: self.#names.clone(),)* #(#running_names: self.#running_names.clone(),)* }
-            }
-        }
-
-        impl ::core::fmt::Debug for #layer {
-            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
-                f.debug_struct(::core::stringify!(#layer))
-                    #(.field(::core::stringify!(#names), &self.#names))*
-                    #(.field(::core::stringify!(#running_names), &self.#running_names))*
-                    .finish()
-            }
-        }
+        #clone
+        #debug
 
         impl #grads {
             /// All-zero gradients.

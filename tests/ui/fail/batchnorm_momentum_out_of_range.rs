@@ -1,0 +1,10 @@
+conv_runtime::conv2d! {
+    pub struct Layer {
+        input: [8, 8, 3],
+        out_channels: 6,
+        kernel: 3,
+        norm: BatchNorm { momentum: 1.5, eps: 1e-5 },
+    }
+}
+
+fn main() {}

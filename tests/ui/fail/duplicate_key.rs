@@ -1,0 +1,12 @@
+conv_runtime::conv2d! {
+    pub struct Layer {
+        input: [8, 8, 3],
+        out_channels: 6,
+        kernel: 3,
+        stride: 1,
+        padding: 1,
+        stride: 2,
+    }
+}
+
+fn main() {}
