@@ -84,7 +84,9 @@ impl CpuScalar for f64 {
 pub struct Workspace<'a, A> {
     /// Parameters in kernel order.
     pub packed: &'a [A],
-    /// Zeroed scratch memory of the requested length.
+    /// Scratch memory of the requested length; its contents are left over from earlier calls,
+    /// so kernels clear what they accumulate into (clearing all of it cost more than some
+    /// small layers' convolutions).
     pub scratch: &'a mut [A],
 }
 
@@ -94,8 +96,8 @@ impl Cpu {
         Self::default()
     }
 
-    /// Packed parameters for `key` (built by `pack` on a miss) and `scratch_len` zeroed scratch
-    /// elements.
+    /// Packed parameters for `key` (built by `pack` on a miss) and `scratch_len` scratch
+    /// elements (not cleared).
     #[doc(hidden)]
     pub fn __workspace<A: CpuScalar>(
         &mut self,
@@ -134,8 +136,9 @@ impl Cpu {
         };
         self.packs[index].last_use = clock;
         let buffer = A::buffer(&mut self.scratch);
-        buffer.clear();
-        buffer.resize(scratch_len, A::zero());
+        if buffer.len() < scratch_len {
+            buffer.resize(scratch_len, A::zero());
+        }
         let packed = match self.packs[index].data.downcast_ref::<Vec<A>>() {
             Some(v) => v.as_slice(),
             None => unreachable!("the entry's type was checked when it was found or built"),

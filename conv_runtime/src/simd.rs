@@ -147,7 +147,8 @@ mod x86 {
 
     macro_rules! avx2 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
-         $store:ident, $fma:ident, $add:ident, $mul:ident, $max:ident) => {
+         $store:ident, $fma:ident, $add:ident, $mul:ident, $max:ident,
+     $maskload:ident, $maskstore:ident, $masks:ident) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -183,9 +184,30 @@ mod x86 {
                 unsafe fn max(self, o: Self) -> Self {
                     Self($max(self.0, o.0))
                 }
+                // Masked moves touch only the first `n` lanes' memory.
+                #[inline(always)]
+                unsafe fn load_partial(p: *const $elem, n: usize) -> Self {
+                    let mask =
+                        _mm256_loadu_si256($masks.0.as_ptr().add($lanes - n) as *const __m256i);
+                    Self($maskload(p, mask))
+                }
+                #[inline(always)]
+                unsafe fn store_partial(self, p: *mut $elem, n: usize) {
+                    let mask =
+                        _mm256_loadu_si256($masks.0.as_ptr().add($lanes - n) as *const __m256i);
+                    $maskstore(p, mask, self.0)
+                }
             }
         };
     }
+
+    /// `LANES` all-ones lanes then `LANES` zero lanes: a window of `LANES` starting at
+    /// `LANES - n` enables the first `n`. Aligned so a window never splits a cache line badly.
+    #[repr(align(64))]
+    struct Masks<T, const N: usize>([T; N]);
+    static MASKS_32: Masks<i32, 16> =
+        Masks([-1, -1, -1, -1, -1, -1, -1, -1, 0, 0, 0, 0, 0, 0, 0, 0]);
+    static MASKS_64: Masks<i64, 8> = Masks([-1, -1, -1, -1, 0, 0, 0, 0]);
 
     avx2!(
         Avx2F32,
@@ -199,7 +221,10 @@ mod x86 {
         _mm256_fmadd_ps,
         _mm256_add_ps,
         _mm256_mul_ps,
-        _mm256_max_ps
+        _mm256_max_ps,
+        _mm256_maskload_ps,
+        _mm256_maskstore_ps,
+        MASKS_32
     );
     avx2!(
         Avx2F64,
@@ -213,6 +238,9 @@ mod x86 {
         _mm256_fmadd_pd,
         _mm256_add_pd,
         _mm256_mul_pd,
-        _mm256_max_pd
+        _mm256_max_pd,
+        _mm256_maskload_pd,
+        _mm256_maskstore_pd,
+        MASKS_64
     );
 }

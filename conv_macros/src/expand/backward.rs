@@ -325,6 +325,11 @@ fn backward_pass(spec: &Spec) -> TokenStream {
             let (zero_row, rest) = rest.split_at_mut(OC);
             let (dx, rest) = rest.split_at_mut(dx_len);
             let (dw, x_scratch) = rest.split_at_mut(dw_len);
+            // Scratch is not cleared by the device: zero what is accumulated into or read as 0.
+            dz[BATCH * NPIX * OC..].fill(0.0);
+            zero_row.fill(0.0);
+            dx.fill(0.0);
+            dw.fill(0.0);
             d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..BATCH * NPIX * OC]);
 
             if let ::core::option::Option::Some(g) = grads {

@@ -112,14 +112,17 @@ fn constants(spec: &Spec, blk: &Blocking) -> TokenStream {
 }
 
 /// `stage(x, xa)`: the input in the accumulator type with a zero border, where the kernels
-/// need a copy (padding or a half type); `input(x, scratch)` returns what the kernels read.
+/// need a copy (padding or a half type).
 fn stage_fn(spec: &Spec) -> TokenStream {
     let rt = rt();
     if staged(spec) {
         quote! {
             const STAGED: bool = true;
-            /// Copies `B` images into `xa` (zeroed, `B * XH * XW * IC`) inside the border.
+            /// Copies `B` images into `xa` (`B * XH * XW * IC`) inside a zero border.
             fn stage<const __B: usize>(x: &[__T], xa: &mut [__A]) {
+                if PH + PW > 0 {
+                    xa.fill(0.0);
+                }
                 for n in 0..__B {
                     for h in 0..IH {
                         let src = &x[(n * IH + h) * IW * IC..][..IW * IC];
