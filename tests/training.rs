@@ -95,6 +95,11 @@ impl Parameters for Readout {
         f("w", self.w.as_slice());
         f("b", self.b.as_slice());
     }
+
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>)) {
+        f("w", &mut self.w);
+        f("b", &mut self.b);
+    }
 }
 
 impl Readout {

@@ -273,6 +273,9 @@ mod tests {
         fn visit(&self, f: &mut dyn FnMut(&str, &[T])) {
             f("x", self.x.as_slice());
         }
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<T>)) {
+            f("x", &mut self.x);
+        }
     }
 
     fn grad<T: Element>(b: &Bowl<T>) -> Vector<T::Acc, 3> {

@@ -12,6 +12,8 @@ pub trait ParamTensor<T> {
     fn values(&self) -> &[T];
     /// The content stamp (see [`Tensor`]).
     fn stamp(&self) -> u64;
+    /// The shape (`[N, H, W, C]` for tensors, `[N]` for vectors).
+    fn shape(&self) -> &'static [usize];
 }
 
 impl<T, const N: usize, const H: usize, const W: usize, const C: usize> ParamTensor<T>
@@ -26,6 +28,9 @@ impl<T, const N: usize, const H: usize, const W: usize, const C: usize> ParamTen
     fn stamp(&self) -> u64 {
         Tensor::stamp(self)
     }
+    fn shape(&self) -> &'static [usize] {
+        &Self::SHAPE
+    }
 }
 
 impl<T, const N: usize> ParamTensor<T> for Vector<T, N> {
@@ -37,6 +42,9 @@ impl<T, const N: usize> ParamTensor<T> for Vector<T, N> {
     }
     fn stamp(&self) -> u64 {
         Vector::stamp(self)
+    }
+    fn shape(&self) -> &'static [usize] {
+        &Self::SHAPE
     }
 }
 
@@ -60,6 +68,18 @@ pub trait Parameters {
 
     /// Calls `f(name, values)` for each trainable parameter.
     fn visit(&self, f: &mut dyn FnMut(&str, &[Self::Elem]));
+
+    /// Calls `f(name, tensor)` for each trainable parameter, mutably (loading parameters).
+    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<Self::Elem>));
+
+    /// Calls `f(name, tensor)` for each non-trainable buffer (BatchNorm's running statistics),
+    /// kept in the accumulator type. None by default.
+    fn visit_buffers_mut(
+        &mut self,
+        f: &mut dyn FnMut(&str, &mut dyn ParamTensor<<Self::Elem as Element>::Acc>),
+    ) {
+        let _ = f;
+    }
 
     /// Number of trainable scalars.
     fn parameter_count(&self) -> usize {

@@ -141,6 +141,11 @@ impl<T, const N: usize, const H: usize, const W: usize, const C: usize> Tensor<T
     pub const SHAPE: [usize; 4] = [N, H, W, C];
 }
 
+impl<T, const N: usize> Vector<T, N> {
+    /// The shape as `[N]`.
+    pub const SHAPE: [usize; 1] = [N];
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -229,6 +229,40 @@ fn missing_library_is_a_clear_error() {
     );
 }
 
+/// Set in the child process of `unset_variable_is_a_clear_error`.
+const CHILD_VAR: &str = "ONEDNN_FFI_TEST_CHILD";
+
+/// Runs only as that child, where `ONEDNN_LIB_DIR` was removed from the environment before the
+/// process started (so no test races on the variable).
+#[test]
+#[ignore = "run by unset_variable_is_a_clear_error in a child process"]
+fn unset_variable_child() {
+    if std::env::var_os(CHILD_VAR).is_none() {
+        return;
+    }
+    let err = Library::load().unwrap_err();
+    assert_eq!(err.operation, "oneDNN library load");
+    assert!(err.reason.starts_with("ONEDNN_LIB_DIR is not set"), "{err}");
+    assert!(err.reason.contains("libdnnl.so.3"), "{err}");
+}
+
+#[test]
+fn unset_variable_is_a_clear_error() {
+    let exe = std::env::current_exe().unwrap();
+    let out = std::process::Command::new(exe)
+        .args(["--exact", "unset_variable_child", "--include-ignored"])
+        .env_remove("ONEDNN_LIB_DIR")
+        .env(CHILD_VAR, "1")
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success() && stdout.contains("1 passed"),
+        "child failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
 #[test]
 fn conv_forward_nhwc_bias_relu_matches_naive() {
     let cx = Ctx::new();

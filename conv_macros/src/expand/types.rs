@@ -430,6 +430,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
             fn visit(&self, f: &mut dyn FnMut(&str, &[#t])) {
                 #(f(::core::stringify!(#names), self.#names.as_slice());)*
             }
+
+            fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#t>)) {
+                #(f(::core::stringify!(#names), &mut self.#names);)*
+            }
+
+            fn visit_buffers_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#a>)) {
+                let _ = &f;
+                #(f(::core::stringify!(#running_names), &mut self.#running_names);)*
+            }
         }
 
         #clone
