@@ -30,6 +30,8 @@ impl Activation {
     }
 }
 
+/// Variant names are the spec's own syntax (`norm: BatchNorm { .. }`).
+#[allow(clippy::enum_variant_names)]
 #[derive(Clone, Copy, Debug, PartialEq)]
 pub enum Norm {
     None,

@@ -31,6 +31,7 @@ pub mod onednn;
 pub mod optim;
 mod params;
 mod rng;
+pub mod safetensors;
 pub mod simd;
 mod tensor;
 

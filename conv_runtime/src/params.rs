@@ -52,7 +52,9 @@ impl<T, const N: usize> ParamTensor<T> for Vector<T, N> {
 /// and whatever a user adds (a linear read-out) by implementing the two visits.
 ///
 /// Parameters are visited in a fixed order (for layers: weights, biases, gamma, beta), so an
-/// optimizer's state lines up with them call after call.
+/// optimizer's state lines up with them call after call. (The visitors' types are written out:
+/// an alias would change the trait objects' default lifetimes.)
+#[allow(clippy::type_complexity)]
 pub trait Parameters {
     /// The parameters' element type.
     type Elem: Element;

@@ -63,9 +63,19 @@ pub trait Simd: Copy {
     }
 }
 
-/// Whether the AVX2+FMA kernels can run here (cached by the standard library's detection).
+/// Whether the AVX2+FMA kernels run: where the CPU has them, unless the environment variable
+/// `CONV2D_SIMD=portable` asks for the portable kernels (to test them, or to compare). Decided
+/// once per process.
 #[inline]
 pub fn avx2_fma() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let portable = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "portable");
+        !portable && detected()
+    })
+}
+
+fn detected() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")

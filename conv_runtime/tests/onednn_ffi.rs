@@ -540,6 +540,20 @@ fn execute_refuses_wrong_arguments() {
         .unwrap_err();
     assert!(err.reason.contains("not one this primitive takes"), "{err}");
 
+    let elsewhere = Memory::allocate(&Engine::cpu(&cx.lib).unwrap(), src.desc()).unwrap();
+    let err = prim
+        .execute(
+            &cx.stream,
+            &[
+                (arg::SRC, &elsewhere),
+                (arg::WEIGHTS, &weights),
+                (arg::BIAS, &bias),
+                (arg::DST, &dst),
+            ],
+        )
+        .unwrap_err();
+    assert!(err.reason.contains("another engine"), "{err}");
+
     // A oneDNN status comes back as "<name> (<code>)".
     let err = onednn::conv_forward(
         &cx.engine,
@@ -756,9 +770,12 @@ fn thread_count_is_applied_on_the_executing_thread() {
     // 3: unlikely to be OpenMP's default (the core count), so the check means something.
     onednn::set_threads(3);
     let pd = cx.forward_pd(&s, &attr);
-    // Applied on this thread by the descriptor's creation.
+    // Applied on this thread by the descriptor's creation, and recorded in it.
     assert_eq!(cx.lib.omp_max_threads(), 3);
-    // A fresh thread gets it when it executes.
+    assert_eq!(pd.threads(), 3);
+    // Later changes leave existing descriptors and primitives alone.
+    onednn::set_threads(1);
+    // A fresh thread gets the descriptor's count when it executes.
     let prim = Primitive::new(&pd).unwrap();
     let lib = cx.lib.clone();
     let seen = std::thread::spawn(move || {
@@ -785,7 +802,6 @@ fn thread_count_is_applied_on_the_executing_thread() {
     })
     .join()
     .unwrap();
-    onednn::set_threads(1);
     assert_eq!(seen.1, 3, "applied by execute (was {})", seen.0);
     assert_eq!(onednn::threads(), 1);
 }

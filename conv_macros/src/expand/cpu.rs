@@ -64,6 +64,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let norm = norm::expand(spec);
     let ops = operations(spec);
     quote! {
+        // Literal arithmetic (`x % 1`, `0 * n`, ...) and index loops over literal bounds are the
+        // point of specializing, not style problems of the user's crate.
+        #[allow(clippy::all)]
         const _: () = {
             type __T = #t;
             type __A = #a;

@@ -28,9 +28,12 @@
 //! # Threads
 //!
 //! oneDNN's CPU kernels run on OpenMP. [`set_threads`] sets the process-wide count (default 1,
-//! so comparisons with the single-threaded CPU code are fair); because `omp_set_num_threads`
-//! only affects the calling thread, the layer applies the count on the calling thread before it
-//! creates a primitive descriptor or a primitive, and before it executes one.
+//! so comparisons with the single-threaded CPU code are fair). oneDNN sizes a primitive's work
+//! split and scratchpad for the thread count in effect when its descriptor is created, so each
+//! [`PrimitiveDesc`] records the count current at its creation and the layer applies that count
+//! (`omp_set_num_threads`, which only affects the calling thread) on the calling thread before
+//! creating the descriptor, creating its primitive, and each execution. A change of
+//! [`set_threads`] thus affects descriptors built afterwards, never a primitive in use.
 //!
 //! Thread safety follows oneDNN's documentation: engines, memory descriptors, attributes and
 //! primitive descriptors are immutable once built (`Send + Sync`); primitives may be executed
@@ -106,7 +109,7 @@ fn null_handle(call: &str) -> Error {
 // ---------------------------------------------------------------------------------------------
 // Threads
 
-/// The OpenMP thread count every oneDNN call made through this layer applies.
+/// The OpenMP thread count that primitive descriptors built from now on record.
 static THREADS: AtomicUsize = AtomicUsize::new(1);
 
 thread_local! {
@@ -117,9 +120,8 @@ thread_local! {
 
 /// Sets how many OpenMP threads oneDNN's kernels use, process-wide (default 1; 0 counts as 1).
 ///
-/// It takes effect on each thread the next time that thread creates or executes a primitive
-/// through this layer. oneDNN sizes its kernels' work split when a primitive is created, so set
-/// it before building the primitives that should use it.
+/// It applies to primitive descriptors built afterwards (and their primitives, wherever they
+/// execute); existing ones keep the count they were built with.
 pub fn set_threads(n: usize) {
     THREADS.store(n.clamp(1, c_int::MAX as usize), Ordering::Relaxed);
 }
@@ -277,7 +279,7 @@ impl Library {
         &self.0.dir
     }
 
-    /// The calling thread's OpenMP `nthreads-var` (what oneDNN will use here), for checks.
+    /// The calling thread's OpenMP `nthreads-var` (what oneDNN would use here now), for checks.
     pub fn omp_max_threads(&self) -> usize {
         // SAFETY: no preconditions.
         unsafe { (self.0.omp.omp_get_max_threads)() }.max(0) as usize
@@ -287,9 +289,8 @@ impl Library {
         &self.0.api
     }
 
-    /// Applies [`threads`] on the calling thread if it is not already in effect there.
-    fn apply_threads(&self) {
-        let want = threads();
+    /// Makes `want` threads the calling thread's OpenMP count, unless it already is.
+    fn apply_threads(&self, want: usize) {
         APPLIED.with(|applied| {
             if applied.get() != want {
                 // SAFETY: no preconditions; `want` is within 1..=c_int::MAX.
@@ -1294,6 +1295,8 @@ struct PdInner {
     raw: ffi::dnnl_primitive_desc_t,
     /// What it computes, for error messages (e.g. "convolution forward").
     name: &'static str,
+    /// The OpenMP thread count it was created with, applied again for its primitive.
+    threads: usize,
     /// The forward descriptor a backward one was built with: oneDNN may keep a pointer to it.
     _hint: Option<PrimitiveDesc>,
 }
@@ -1335,7 +1338,8 @@ impl PrimitiveDesc {
         f: impl FnOnce(&ffi::Api, *mut ffi::dnnl_primitive_desc_t) -> ffi::dnnl_status_t,
     ) -> Result<Self> {
         let lib = engine.library();
-        lib.apply_threads();
+        let threads = threads();
+        lib.apply_threads(threads);
         let mut raw = ptr::null_mut();
         check(f(lib.api(), &mut raw), call)?;
         if raw.is_null() {
@@ -1345,6 +1349,7 @@ impl PrimitiveDesc {
             engine: engine.clone(),
             raw,
             name,
+            threads,
             _hint: hint.cloned(),
         })))
     }
@@ -1361,6 +1366,11 @@ impl PrimitiveDesc {
     /// What it computes (e.g. "convolution forward").
     pub fn name(&self) -> &'static str {
         self.0.name
+    }
+
+    /// The OpenMP thread count it was built with (see [`set_threads`]).
+    pub fn threads(&self) -> usize {
+        self.0.threads
     }
 
     fn md(&self, what: ffi::dnnl_query_t, index: c_int) -> Result<MemoryDesc> {
@@ -1767,7 +1777,7 @@ impl Primitive {
         } else {
             None
         };
-        lib.apply_threads();
+        lib.apply_threads(pd.threads());
         let mut raw = ptr::null_mut();
         // SAFETY: `raw` is a valid out-pointer; the descriptor is live.
         check(
@@ -1843,6 +1853,12 @@ impl Primitive {
                     format!("argument {a}: no buffer is bound"),
                 ));
             }
+            if memory.engine.raw() != engine {
+                return Err(Error::new(
+                    op(),
+                    format!("argument {a}: memory is on another engine than the primitive"),
+                ));
+            }
         }
         let mut c_args = [ffi::dnnl_exec_arg_t {
             arg: 0,
@@ -1868,7 +1884,7 @@ impl Primitive {
             n += 1;
         }
         let lib = self.pd.lib();
-        lib.apply_threads();
+        lib.apply_threads(self.pd.threads());
         // SAFETY: the primitive, stream and memories are live; every memory matches the
         // descriptor the primitive expects and is bound to a buffer of that size (allocated, or
         // lent under `set_data_handle`'s contract); the scratchpad is locked for this call.
