@@ -1,12 +1,15 @@
 //! Throughput of the generated CPU code on a suite of real layer shapes, against this machine's
-//! single-core FMA peak measured in the same process.
+//! single-core FMA peak measured in the same process, and against oneDNN in the same process.
 //!
 //! ```text
 //! cargo run --release --example bench [FILTER] [--quick]
+//! ONEDNN_LIB_DIR=... cargo run --release --features onednn --example bench
 //! ```
 //!
 //! FILTER keeps only shapes whose name contains it; `--quick` trades precision for time. Every
-//! result is printed as a table row and, at the end, as one `BENCH_JSON {...}` line for scripts.
+//! result is printed as a table row and, at the end, as one `BENCH_JSON {...}` line for scripts;
+//! then the ratios: ours vs oneDNN (each shape's rows run back to back, single thread both), and
+//! half precision vs f32, each also as `BENCH_RATIO {...}` lines.
 
 use conv_runtime::prelude::*;
 use std::hint::black_box;
@@ -69,6 +72,26 @@ conv_runtime::conv2d! {
         input: [16, 16, 16], out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu,
         norm: BatchNorm { momentum: 0.1, eps: 1e-5 }, batch: 32, dtype: f32,
     }
+}
+
+// Half-precision variants of the compute-bound shapes (the win is memory, not arithmetic).
+macro_rules! half_layers {
+    ($($name:ident: [$ih:literal, $iw:literal, $ic:literal] -> $oc:literal, k $k:literal, s $s:literal, p $p:literal, batch $b:literal, $t:ident;)*) => {$(
+        conv_runtime::conv2d! {
+            pub struct $name {
+                input: [$ih, $iw, $ic], out_channels: $oc, kernel: $k, stride: $s, padding: $p,
+                activation: Relu, batch: $b, dtype: $t,
+            }
+        }
+    )*};
+}
+half_layers! {
+    Nature2F16: [20, 20, 32] -> 64, k 4, s 2, p 0, batch 32, f16;
+    Nature3F16: [9, 9, 64] -> 64, k 3, s 1, p 0, batch 32, f16;
+    ResnetF16: [56, 56, 64] -> 64, k 3, s 1, p 1, batch 8, f16;
+    Nature2Bf16: [20, 20, 32] -> 64, k 4, s 2, p 0, batch 32, bf16;
+    Nature3Bf16: [9, 9, 64] -> 64, k 3, s 1, p 0, batch 32, bf16;
+    ResnetBf16: [56, 56, 64] -> 64, k 3, s 1, p 1, batch 8, bf16;
 }
 
 /// Emits the rows of each listed layer type on one device and dtype: `evaluate` at each listed
@@ -189,28 +212,128 @@ fn main() {
     for row in &bench.rows {
         println!("BENCH_JSON {}", row.json(bench.peak.as_ref()));
     }
+    print_ratios(
+        &bench.rows,
+        "ours vs oneDNN (oneDNN time / ours: above 1, ours is faster)",
+        ("onednn", "f32"),
+        ("cpu", "f32"),
+    );
+    for half in ["f16", "bf16"] {
+        print_ratios(
+            &bench.rows,
+            &format!("{half} vs f32 (f32 time / {half}: the half layer's relative throughput)"),
+            ("cpu", "f32"),
+            ("cpu", half),
+        );
+    }
     println!("\ntotal {:.1} s", started.elapsed().as_secs_f64());
 }
 
 fn run_suite(bench: &mut Bench) {
-    bench_layers!(bench, device: Cpu::default() => "cpu", dtype: f32, layers: {
-        "nature1": Nature1 / Nature1Grads / Nature1State, eval_batches [1, 32];
-        "nature2": Nature2 / Nature2Grads / Nature2State, eval_batches [1, 32];
-        "nature3": Nature3 / Nature3Grads / Nature3State, eval_batches [1, 32];
-        "cifar1": Cifar1 / Cifar1Grads / Cifar1State, eval_batches [1, 32];
-        "bn16": Bn16 / Bn16Grads / Bn16State, eval_batches [1, 32];
-        "tiny": Tiny / TinyGrads / TinyState, eval_batches [1, 32];
-        "resnet": Resnet / ResnetGrads / ResnetState, eval_batches [1, 8];
-        // BatchNorm's cost is in training (statistics and their backward); inference can fold
-        // it into the convolution, so one evaluate row is enough to see whether it does.
-        "nature2_bn": Nature2Bn / Nature2BnGrads / Nature2BnState, eval_batches [32];
-        "bn16_bn": Bn16Bn / Bn16BnGrads / Bn16BnState, eval_batches [32];
+    // Each f32 shape on the CPU device, then at once on oneDNN (where built and loadable), so
+    // both see the same machine state.
+    macro_rules! shape {
+        ($name:literal: $layer:ident / $grads:ident / $state:ident, eval_batches [$($b:literal),*]) => {
+            bench_layers!(bench, device: Cpu::default() => "cpu", dtype: f32, layers: {
+                $name: $layer / $grads / $state, eval_batches [$($b),*];
+            });
+            #[cfg(feature = "onednn")]
+            if bench.onednn {
+                match OneDnn::new() {
+                    Ok(device) => bench_layers!(bench, device: device => "onednn", dtype: f32, layers: {
+                        $name: $layer / $grads / $state, eval_batches [$($b),*];
+                    }),
+                    Err(e) => println!("oneDNN: {e}"),
+                }
+            }
+        };
+    }
+    shape!("nature1": Nature1 / Nature1Grads / Nature1State, eval_batches [1, 32]);
+    shape!("nature2": Nature2 / Nature2Grads / Nature2State, eval_batches [1, 32]);
+    shape!("nature3": Nature3 / Nature3Grads / Nature3State, eval_batches [1, 32]);
+    shape!("cifar1": Cifar1 / Cifar1Grads / Cifar1State, eval_batches [1, 32]);
+    shape!("bn16": Bn16 / Bn16Grads / Bn16State, eval_batches [1, 32]);
+    shape!("tiny": Tiny / TinyGrads / TinyState, eval_batches [1, 32]);
+    shape!("resnet": Resnet / ResnetGrads / ResnetState, eval_batches [1, 8]);
+    // BatchNorm's cost is in training (statistics and their backward); inference applies it to
+    // each tile in cache, so one evaluate row is enough to see what it costs.
+    shape!("nature2_bn": Nature2Bn / Nature2BnGrads / Nature2BnState, eval_batches [32]);
+    shape!("bn16_bn": Bn16Bn / Bn16BnGrads / Bn16BnState, eval_batches [32]);
+
+    bench_layers!(bench, device: Cpu::default() => "cpu", dtype: f16, layers: {
+        "nature2": Nature2F16 / Nature2F16Grads / Nature2F16State, eval_batches [1, 32];
+        "nature3": Nature3F16 / Nature3F16Grads / Nature3F16State, eval_batches [1, 32];
+        "resnet": ResnetF16 / ResnetF16Grads / ResnetF16State, eval_batches [1, 8];
     });
+    bench_layers!(bench, device: Cpu::default() => "cpu", dtype: bf16, layers: {
+        "nature2": Nature2Bf16 / Nature2Bf16Grads / Nature2Bf16State, eval_batches [1, 32];
+        "nature3": Nature3Bf16 / Nature3Bf16Grads / Nature3Bf16State, eval_batches [1, 32];
+        "resnet": ResnetBf16 / ResnetBf16Grads / ResnetBf16State, eval_batches [1, 8];
+    });
+}
+
+/// Prints `numerator / denominator` time ratios of matching rows (same shape, op and batch) as
+/// a table and `BENCH_RATIO` lines: above 1 means the denominator's rows are faster.
+fn print_ratios(rows: &[Row], title: &str, numerator: (&str, &str), denominator: (&str, &str)) {
+    fn pick<'a>(
+        rows: &'a [Row],
+        (backend, dtype): (&'a str, &'a str),
+    ) -> impl Iterator<Item = &'a Row> {
+        rows.iter()
+            .filter(move |r| r.backend == backend && r.dtype == dtype)
+    }
+    let pairs: Vec<(&Row, &Row)> = pick(rows, denominator)
+        .filter_map(|d| {
+            pick(rows, numerator)
+                .find(|n| n.shape == d.shape && n.op == d.op && n.batch == d.batch)
+                .map(|n| (n, d))
+        })
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    let label = |(b, t): (&str, &str)| format!("{b}/{t}");
+    println!("\n{title}");
+    println!(
+        "{:<11} {:<13} {:>5} {:>14} {:>14} {:>7}",
+        "shape",
+        "op",
+        "batch",
+        label(numerator),
+        label(denominator),
+        "ratio"
+    );
+    for (n, d) in &pairs {
+        println!(
+            "{:<11} {:<13} {:>5} {:>11.2} us {:>11.2} us {:>6.2}x",
+            d.shape,
+            d.op,
+            d.batch,
+            n.seconds * 1e6,
+            d.seconds * 1e6,
+            n.seconds / d.seconds
+        );
+    }
+    for (n, d) in &pairs {
+        println!(
+            concat!(
+                r#"BENCH_RATIO {{"shape":"{}","op":"{}","batch":{},"numerator":"{}","#,
+                r#""denominator":"{}","ratio":{:.4}}}"#
+            ),
+            d.shape,
+            d.op,
+            d.batch,
+            label(numerator),
+            label(denominator),
+            n.seconds / d.seconds
+        );
+    }
 }
 
 struct Config {
     filter: Option<String>,
     quick: bool,
+    no_onednn: bool,
     /// Wall time of one timed repetition.
     target: Duration,
     repetitions: usize,
@@ -221,18 +344,20 @@ impl Config {
         let mut config = Config {
             filter: None,
             quick: false,
+            no_onednn: false,
             target: Duration::from_millis(300),
             repetitions: 5,
         };
         for arg in std::env::args().skip(1) {
             match arg.as_str() {
+                "--no-onednn" => config.no_onednn = true,
                 "--quick" => {
                     config.quick = true;
                     config.target = Duration::from_millis(50);
                     config.repetitions = 3;
                 }
                 _ if arg.starts_with('-') => {
-                    eprintln!("usage: bench [SHAPE_FILTER] [--quick]");
+                    eprintln!("usage: bench [SHAPE_FILTER] [--quick] [--no-onednn]");
                     std::process::exit(2);
                 }
                 _ => config.filter = Some(arg),
@@ -313,6 +438,8 @@ impl Row {
 }
 
 struct Bench {
+    /// Whether to run the oneDNN rows (built with the feature, and not `--no-onednn`).
+    onednn: bool,
     config: Config,
     peak: Option<peak::Peak>,
     rows: Vec<Row>,
@@ -321,6 +448,7 @@ struct Bench {
 impl Bench {
     fn new(config: Config, peak: Option<peak::Peak>) -> Self {
         Bench {
+            onednn: cfg!(feature = "onednn") && !config.no_onednn,
             config,
             peak,
             rows: Vec::new(),

@@ -52,14 +52,20 @@ macro_rules! case {
             }
 
             $(mod $module {
-                layer_tests!($t, $fields, $spec);
+                layer_tests!(Cpu = Cpu::default(), $t, $fields, $spec);
             })+
+
+            /// The same case on the oneDNN device, as an f32 layer.
+            #[cfg(feature = "onednn")]
+            mod onednn_f32 {
+                layer_tests!(OneDnn = OneDnn::new().unwrap(), f32, $fields, $spec);
+            }
         }
     };
 }
 
 macro_rules! layer_tests {
-    ($t:ident, [$($param:ident),*; $($stat:ident),*], { $($spec:tt)* }) => {
+    ($device:ty = $make:expr, $t:ident, [$($param:ident),*; $($stat:ident),*], { $($spec:tt)* }) => {
         use super::case;
         use crate::common::{assert_close, convert, to_f64, Case, Tolerance};
         use conv_runtime::prelude::*;
@@ -88,6 +94,12 @@ macro_rules! layer_tests {
         >;
         const TOLERANCE: f64 = <T as Tolerance>::CONFORMANCE;
 
+        type Device = $device;
+
+        fn device() -> Device {
+            $make
+        }
+
         /// A layer holding the case's parameters and initial running statistics.
         fn layer(case: &Case) -> Layer {
             let mut layer = Layer::new(&mut Rng::seed_from_u64(0));
@@ -107,7 +119,7 @@ macro_rules! layer_tests {
         }
 
         /// `forward` in the case's mode: the layer after it, its state and the input.
-        fn forward(cpu: &mut Cpu, case: &Case) -> (Layer, LayerState, Input) {
+        fn forward(cpu: &mut Device, case: &Case) -> (Layer, LayerState, Input) {
             let (mut layer, x, mut state) = (layer(case), input(case), LayerState::new());
             layer.forward(cpu, &x, &mut state, case.mode()).unwrap();
             (layer, state, x)
@@ -145,7 +157,7 @@ macro_rules! layer_tests {
         fn evaluate() {
             let case = case();
             let mut y: Output = Tensor::zeros();
-            layer(&case).evaluate(&mut Cpu::default(), &input(&case), &mut y).unwrap();
+            layer(&case).evaluate(&mut device(), &input(&case), &mut y).unwrap();
             let got = to_f64(y.as_slice());
             assert_close("evaluate", &got, &case.expected("evaluate_output"), TOLERANCE);
         }
@@ -153,7 +165,7 @@ macro_rules! layer_tests {
         #[test]
         fn forward_output() {
             let case = case();
-            let (_, state, _) = forward(&mut Cpu::default(), &case);
+            let (_, state, _) = forward(&mut device(), &case);
             let got = to_f64(state.output().as_slice());
             assert_close("output", &got, &case.expected("output"), TOLERANCE);
         }
@@ -162,7 +174,7 @@ macro_rules! layer_tests {
             #[test]
             fn $stat() {
                 let case = case();
-                let (layer, _, _) = forward(&mut Cpu::default(), &case);
+                let (layer, _, _) = forward(&mut device(), &case);
                 let got = to_f64(layer.$stat.as_slice());
                 assert_close(stringify!($stat), &got, &case.expected(stringify!($stat)), TOLERANCE);
             }
@@ -170,7 +182,7 @@ macro_rules! layer_tests {
 
         #[test]
         fn backward_full() {
-            let (case, mut cpu) = (case(), Cpu::default());
+            let (case, mut cpu) = (case(), device());
             let (layer, state, x) = forward(&mut cpu, &case);
             let (mut d_input, mut grads) = (Tensor::zeros(), LayerGrads::zeros());
             let (d_output, mode) = (d_output(&case), case.mode());
@@ -183,7 +195,7 @@ macro_rules! layer_tests {
 
         #[test]
         fn backward_input_and_backward() {
-            let (case, mut cpu) = (case(), Cpu::default());
+            let (case, mut cpu) = (case(), device());
             let (layer, state, x) = forward(&mut cpu, &case);
             let d_output = d_output(&case);
             let mut d_input = Tensor::zeros();
@@ -196,7 +208,7 @@ macro_rules! layer_tests {
 
         #[test]
         fn gradients_accumulate_until_zeroed() {
-            let (case, mut cpu) = (case(), Cpu::default());
+            let (case, mut cpu) = (case(), device());
             let (layer, state, x) = forward(&mut cpu, &case);
             let d_output = d_output(&case);
             let mut grads = LayerGrads::zeros();

@@ -45,8 +45,29 @@ pub use params::{ParamTensor, Parameters};
 pub use rng::Rng;
 pub use tensor::{ShapeError, Tensor, Vector};
 
+/// Expands its input only when this crate was built with the `onednn` feature: generated code
+/// is compiled in the user's crate, whose own features say nothing about the runtime's.
+#[cfg(feature = "onednn")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_onednn {
+    ($($tokens:tt)*) => { $($tokens)* };
+}
+
+#[cfg(not(feature = "onednn"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_onednn {
+    ($($tokens:tt)*) => {};
+}
+
+#[cfg(feature = "onednn")]
+pub use onednn::OneDnn;
+
 /// Everything a user of generated layers needs in scope.
 pub mod prelude {
+    #[cfg(feature = "onednn")]
+    pub use crate::OneDnn;
     pub use crate::{
         bf16, conv2d, f16, Adam, Cpu, Element, Mode, ParamTensor, Parameters, Rng, Sgd, Tensor,
         Vector,
@@ -56,13 +77,15 @@ pub mod prelude {
 /// What generated code names. Not part of the public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__if_onednn as if_onednn;
     pub use crate::activation::{self, Activation};
     pub use crate::cpu::{CpuScalar, PackKey, Workspace};
     pub use crate::init::kaiming_uniform;
+    #[cfg(feature = "onednn")]
+    pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, Simd};
     pub use crate::{
         bf16, f16, Cpu, Element, Error, Mode, ParamTensor, Parameters, Real, Result, Rng, Tensor,
         Vector,
     };
-    pub use core::{option::Option, result::Result::Ok};
 }

@@ -278,7 +278,7 @@ fn encoded<T: Element>(
     dtype: Dtype,
 ) -> (String, Encoded) {
     let values = tensor.values();
-    let mut data = Vec::with_capacity(values.len() * dtype.size());
+    let mut data = Vec::with_capacity(values.len() * dtype.bitsize() / 8);
     encode(values, dtype, &mut data);
     (
         name,
@@ -337,6 +337,18 @@ impl Reader {
             .collect();
         names.sort();
         Ok(names)
+    }
+
+    /// The shape and values (as f64, exactly) of the floating-point tensor `name`: for data kept
+    /// beside parameters (inputs, expected outputs), or to inspect a file.
+    pub fn tensor_f64(&self, name: &str) -> Result<(Vec<usize>, Vec<f64>)> {
+        let operation = format!("reading tensor `{name}` from {}", self.source);
+        let file = self.parse()?;
+        let view = file
+            .tensor(name)
+            .map_err(|_| Error::new(&operation, format!("missing tensor `{name}`")))?;
+        let values = decode(&view).map_err(|reason| Error::new(&operation, reason))?;
+        Ok((view.shape().to_vec(), values))
     }
 
     /// Loads `layer`'s parameters and buffers from the tensors `prefix.<name>`.
@@ -712,9 +724,11 @@ fn import<P: Parameters>(
                 ("running_mean" | "running_var", _) => {
                     (join(norm, name), shape.to_vec(), Layout::Same, None)
                 }
-                _ => return Err(format!(
+                _ => {
+                    return Err(format!(
                     "the layer's `{name}` {shape:?} has no PyTorch Conv2d/BatchNorm2d counterpart"
-                )),
+                ))
+                }
             };
             Ok(Source {
                 name,

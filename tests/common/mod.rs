@@ -5,6 +5,9 @@
 // Each test binary uses a different subset of this module.
 #![allow(dead_code, unused_macros)]
 
+#[macro_use]
+mod spec_list;
+
 use conv_runtime::prelude::{Element, Mode};
 use serde_json::Value;
 
@@ -558,4 +561,15 @@ fn floats(value: &Value) -> Vec<f64> {
             .map(|v| v.as_f64().expect("number"))
             .collect(),
     }
+}
+
+/// A seed from a spec's name (FNV-1a; `line!()` would be the line of `for_each_spec!`), with
+/// room to add small offsets.
+pub const fn seed(name: &str) -> u64 {
+    let (bytes, mut hash, mut i) = (name.as_bytes(), 0xcbf2_9ce4_8422_2325_u64, 0);
+    while i < bytes.len() {
+        hash = (hash ^ bytes[i] as u64).wrapping_mul(0x0100_0000_01b3);
+        i += 1;
+    }
+    hash >> 16
 }

@@ -16,8 +16,8 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use super::kernel::{self, dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{acc, backward, elem, lit, norm, rt, Names};
+use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::{acc, backward, elem, lit, norm, onednn, rt, Names};
 use crate::spec::{Activation, Dtype, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
@@ -63,6 +63,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let backward = backward::expand(spec);
     let norm = norm::expand(spec);
     let ops = operations(spec);
+    let onednn = onednn::expand(spec);
     quote! {
         // Literal arithmetic (`x % 1`, `0 * n`, ...) and index loops over literal bounds are the
         // point of specializing, not style problems of the user's crate.
@@ -76,6 +77,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
             #backward
             #norm
             #ops
+            #onednn
         };
     }
 }
@@ -346,8 +348,6 @@ fn operations(spec: &Spec) -> TokenStream {
     let act = activation_type(spec.activation);
     let apply = quote!(<#act as #rt::Activation>::apply);
     let f = quote!(<#act as #rt::Activation>::f);
-    let to_acc = quote!(<__T as #rt::Element>::to_acc);
-    let from_acc = quote!(<__T as #rt::Element>::from_acc);
     // Rounds accumulator values into element-typed storage.
     let store = if half {
         quote!(<__T as #rt::Element>::from_acc_slice)
@@ -355,7 +355,6 @@ fn operations(spec: &Spec) -> TokenStream {
         quote!((|src: &[__A], dst: &mut [__T]| dst.copy_from_slice(src)))
     };
     let relu = spec.activation == Activation::Relu;
-    let _ = kernel::n;
 
     let (evaluate, forward) = match spec.norm {
         Norm::None if half => (
@@ -410,19 +409,7 @@ fn operations(spec: &Spec) -> TokenStream {
             },
             quote! {
                 conv_to_state(self, layer, input.as_slice(), state);
-                match mode {
-                    #rt::Mode::Train => {
-                        let (mean, var) = batch_stats(state.conv.as_slice());
-                        update_running_stats(layer, &mean, &var);
-                        set_stats(state, &mean, &var);
-                    }
-                    #rt::Mode::Eval => {
-                        let mean = *as_array(layer.running_mean.as_slice());
-                        let var = *as_array(layer.running_var.as_slice());
-                        set_stats(state, &mean, &var);
-                    }
-                }
-                normalize(layer, state);
+                norm_forward(layer, state, mode);
             },
         ),
         Norm::LayerNorm { .. } => (
@@ -431,26 +418,11 @@ fn operations(spec: &Spec) -> TokenStream {
                 conv::<__B, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
                     #store(ya, &mut out[q0 * OC..(q0 + n) * OC]);
                 });
-                let gamma: [__A; OC] = ::core::array::from_fn(|c| #to_acc(layer.gamma.as_slice()[c]));
-                let beta: [__A; OC] = ::core::array::from_fn(|c| #to_acc(layer.beta.as_slice()[c]));
-                for sample in out.chunks_exact_mut(NPIX * OC) {
-                    let (mean, inv_std) = sample_stats(sample);
-                    for px in sample.chunks_exact_mut(OC) {
-                        for c in 0..OC {
-                            let y = gamma[c] * (#to_acc(px[c]) - mean) * inv_std + beta[c];
-                            px[c] = #from_acc(#f(y));
-                        }
-                    }
-                }
+                evaluate_norm(layer, out);
             },
             quote! {
                 conv_to_state(self, layer, input.as_slice(), state);
-                for n in 0..BATCH {
-                    let (mean, inv_std) = sample_stats(&state.conv.as_slice()[n * NPIX * OC..][..NPIX * OC]);
-                    state.mean.as_mut_slice()[n] = mean;
-                    state.inv_std.as_mut_slice()[n] = inv_std;
-                }
-                normalize(layer, state);
+                norm_forward(layer, state, mode);
             },
         ),
     };

@@ -13,7 +13,7 @@
 use proc_macro2::{Ident, TokenStream};
 use quote::{format_ident, quote};
 
-use super::{lit, rt};
+use super::rt;
 use crate::spec::Dtype;
 
 /// Accumulator registers per tile.
@@ -212,9 +212,4 @@ pub fn dispatched(
             #kernel::<#portable, #generic_args>(#args)
         }
     }
-}
-
-/// A usize literal (re-exported for the kernel modules).
-pub fn n(v: usize) -> proc_macro2::Literal {
-    lit(v)
 }

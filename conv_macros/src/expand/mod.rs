@@ -4,6 +4,7 @@ mod backward;
 mod cpu;
 mod kernel;
 mod norm;
+mod onednn;
 mod types;
 
 use proc_macro2::{Literal, TokenStream};

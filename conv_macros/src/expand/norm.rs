@@ -130,6 +130,55 @@ fn forward(spec: &Spec) -> TokenStream {
             }
         },
     };
+    let (norm_forward, evaluate_norm) = match spec.norm {
+        Norm::BatchNorm { .. } => (
+            quote! {
+                match mode {
+                    #rt::Mode::Train => {
+                        let (mean, var) = batch_stats(state.conv.as_slice());
+                        update_running_stats(layer, &mean, &var);
+                        set_stats(state, &mean, &var);
+                    }
+                    #rt::Mode::Eval => {
+                        let mean = *as_array(layer.running_mean.as_slice());
+                        let var = *as_array(layer.running_var.as_slice());
+                        set_stats(state, &mean, &var);
+                    }
+                }
+            },
+            quote! {
+                let (scale, shift) = eval_affine(layer);
+                for px in out.chunks_exact_mut(OC) {
+                    for c in 0..OC {
+                        px[c] = #from_acc(#f(#to_acc(px[c]) * scale[c] + shift[c]));
+                    }
+                }
+            },
+        ),
+        _ => (
+            quote! {
+                let _ = mode;
+                for n in 0..BATCH {
+                    let (mean, inv_std) = sample_stats(&state.conv.as_slice()[n * NPIX * OC..][..NPIX * OC]);
+                    state.mean.as_mut_slice()[n] = mean;
+                    state.inv_std.as_mut_slice()[n] = inv_std;
+                }
+            },
+            quote! {
+                let gamma: [__A; OC] = ::core::array::from_fn(|c| #to_acc(layer.gamma.as_slice()[c]));
+                let beta: [__A; OC] = ::core::array::from_fn(|c| #to_acc(layer.beta.as_slice()[c]));
+                for sample in out.chunks_exact_mut(NPIX * OC) {
+                    let (mean, inv_std) = sample_stats(sample);
+                    for px in sample.chunks_exact_mut(OC) {
+                        for c in 0..OC {
+                            let y = gamma[c] * (#to_acc(px[c]) - mean) * inv_std + beta[c];
+                            px[c] = #from_acc(#f(y));
+                        }
+                    }
+                }
+            },
+        ),
+    };
     quote! {
         const EPS: __A = #eps as __A;
 
@@ -139,6 +188,21 @@ fn forward(spec: &Spec) -> TokenStream {
         }
 
         #stats
+
+        /// Normalization of the forward pass, after the convolution filled `state.conv`:
+        /// statistics into `state` (BatchNorm in training also updates the running ones), then
+        /// `normalize`. Shared by every device.
+        fn norm_forward(layer: &mut #layer, state: &mut #state, mode: #rt::Mode) {
+            #norm_forward
+            normalize(layer, state);
+        }
+
+        /// Inference-mode normalization and activation of `out` (the convolution's output), in
+        /// place.
+        #[allow(dead_code)]
+        fn evaluate_norm(layer: &#layer, out: &mut [__T]) {
+            #evaluate_norm
+        }
 
         /// pre_activation = gamma * (conv - mean) * inv_std + beta; output = f(pre_activation),
         /// with the statistics the forward pass stored in `state`.

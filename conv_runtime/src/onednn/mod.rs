@@ -42,7 +42,10 @@
 //! would share one scratchpad among all primitives of a thread); streams and memories are
 //! `Send` but not `Sync`.
 
+mod device;
 pub mod ffi;
+
+pub use device::{ConvGeometry, ConvSetup, OneDnn};
 
 use std::ffi::CStr;
 use std::fmt;

@@ -1,0 +1,223 @@
+//! Generated code of the oneDNN device: the layer's geometry as literals in a `static` setup
+//! (primitives built on first use, see `conv_runtime::onednn`), and the operations: the
+//! convolution and its gradients run in oneDNN; activation and normalization run the generated
+//! code the CPU device also runs, so the two devices agree to rounding.
+//!
+//! Only f32 layers use oneDNN's convolution; f64 (which oneDNN lacks) and f16/bf16 (which keep
+//! the generated mixed-precision path) run the CPU code on every operation, counted as
+//! fallbacks. Emitted inside `conv_runtime::__private::if_onednn!`, so it exists exactly when
+//! the runtime was built with the `onednn` feature.
+
+use proc_macro2::TokenStream;
+use quote::quote;
+
+use super::cpu::activation_type;
+use super::{rt, Names};
+use crate::spec::{Activation, Dtype, Norm, Spec};
+
+pub fn expand(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let body = if spec.dtype == Dtype::F32 {
+        native(spec)
+    } else {
+        fallback(spec)
+    };
+    quote! {
+        #rt::if_onednn! {
+            #body
+        }
+    }
+}
+
+/// The device trait's methods with `body(method)` as each one's body.
+fn device_impl(spec: &Spec, body: impl Fn(&str) -> TokenStream) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        device,
+    } = Names::of(spec);
+    let x_ty = quote!(#rt::Tensor<__T, BATCH, IH, IW, IC>);
+    let y_ty = quote!(#rt::Tensor<__T, BATCH, OH, OW, OC>);
+    let [evaluate, forward, backward_input, backward, backward_full] = [
+        "evaluate",
+        "forward",
+        "backward_input",
+        "backward",
+        "backward_full",
+    ]
+    .map(&body);
+    quote! {
+        impl #device for #rt::onednn::OneDnn {
+            fn evaluate<const __B: usize>(
+                &mut self,
+                layer: &#layer,
+                input: &#rt::Tensor<__T, __B, IH, IW, IC>,
+                output: &mut #rt::Tensor<__T, __B, OH, OW, OC>,
+            ) -> #rt::Result<()> {
+                #evaluate
+            }
+
+            fn forward(
+                &mut self,
+                layer: &mut #layer,
+                input: &#x_ty,
+                state: &mut #state,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                #forward
+            }
+
+            fn backward_input(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                #backward_input
+            }
+
+            fn backward(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                grads: &mut #grads,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                #backward
+            }
+
+            fn backward_full(
+                &mut self,
+                layer: &#layer,
+                state: &#state,
+                input: &#x_ty,
+                d_output: &#y_ty,
+                d_input: &mut #x_ty,
+                grads: &mut #grads,
+                mode: #rt::Mode,
+            ) -> #rt::Result<()> {
+                #backward_full
+            }
+        }
+    }
+}
+
+/// Every operation runs the CPU device's generated code.
+fn fallback(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let device = Names::of(spec).device;
+    device_impl(spec, |method| {
+        let (method, args) = match method {
+            "evaluate" => ("evaluate", quote!(layer, input, output)),
+            "forward" => ("forward", quote!(layer, input, state, mode)),
+            "backward_input" => (
+                "backward_input",
+                quote!(layer, state, d_output, d_input, mode),
+            ),
+            "backward" => (
+                "backward",
+                quote!(layer, state, input, d_output, grads, mode),
+            ),
+            _ => (
+                "backward_full",
+                quote!(layer, state, input, d_output, d_input, grads, mode),
+            ),
+        };
+        let method = quote::format_ident!("{}", method);
+        quote!(<#rt::Cpu as #device>::#method(self.__cpu(true), #args))
+    })
+}
+
+/// f32: the convolution in oneDNN.
+fn native(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let act = activation_type(spec.activation);
+    let apply = quote!(<#act as #rt::Activation>::apply);
+    // oneDNN's relu, tanh, logistic and gelu_tanh are exactly these activations.
+    let fused = match spec.activation {
+        Activation::Relu => Some(quote!(Relu)),
+        Activation::Tanh => Some(quote!(Tanh)),
+        Activation::Sigmoid => Some(quote!(Logistic)),
+        Activation::Gelu => Some(quote!(GeluTanh)),
+        Activation::Identity | Activation::FastTanh => None,
+    };
+    let norm = spec.norm != Norm::None;
+    let fused_field = match (&fused, norm) {
+        (Some(alg), false) => quote!(::core::option::Option::Some(#rt::onednn::Eltwise::#alg)),
+        _ => quote!(::core::option::Option::None),
+    };
+    let evaluate_post = match (norm, fused.is_some()) {
+        (true, _) => quote!(evaluate_norm(layer, output.as_mut_slice());),
+        (false, true) => TokenStream::new(),
+        (false, false) => quote!(#apply(output.as_mut_slice());),
+    };
+    let forward = if norm {
+        quote! {
+            let w = &layer.weights;
+            self.__conv_forward(&ONEDNN, BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.conv.as_mut_slice())?;
+            norm_forward(layer, state, mode);
+        }
+    } else {
+        quote! {
+            let _ = mode;
+            let w = &layer.weights;
+            self.__conv_forward(&ONEDNN, BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.pre_activation.as_mut_slice())?;
+            let out = state.output.as_mut_slice();
+            out.copy_from_slice(state.pre_activation.as_slice());
+            #apply(out);
+        }
+    };
+    let methods = device_impl(spec, |method| match method {
+        "evaluate" => quote! {
+            let w = &layer.weights;
+            self.__conv_forward(&ONEDNN, __B, true, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), output.as_mut_slice())?;
+            #evaluate_post
+            ::core::result::Result::Ok(())
+        },
+        "forward" => quote! {
+            #forward
+            ::core::result::Result::Ok(())
+        },
+        "backward_input" => quote! {
+            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
+            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::None, &mut dz);
+            let w = &layer.weights;
+            self.__conv_backward_data(&ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())
+        },
+        "backward" => quote! {
+            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
+            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            self.__conv_backward_weights(&ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
+        },
+        _ => quote! {
+            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
+            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            let w = &layer.weights;
+            self.__conv_backward_data(&ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())?;
+            self.__conv_backward_weights(&ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
+        },
+    });
+    quote! {
+        static ONEDNN: #rt::onednn::ConvSetup = #rt::onednn::ConvSetup::new(#rt::onednn::ConvGeometry {
+            batch: BATCH,
+            in_h: IH,
+            in_w: IW,
+            in_c: IC,
+            out_h: OH,
+            out_w: OW,
+            out_c: OC,
+            kernel: [KH, KW],
+            stride: [SH, SW],
+            padding: [PH, PW],
+            fused: #fused_field,
+        });
+
+        #methods
+    }
+}

@@ -1,0 +1,25 @@
+#!/usr/bin/env bash
+# Runs every test. Installs what the tests need first (idempotently): oneDNN 3.2 for the
+# `onednn` feature, which loads it at run time from ONEDNN_LIB_DIR.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+prefix=$(python3 -c 'import sys; print(sys.prefix)')
+export ONEDNN_LIB_DIR="${ONEDNN_LIB_DIR:-$prefix/lib}"
+if [ ! -e "$ONEDNN_LIB_DIR/libdnnl.so.3" ]; then
+    python3 -m pip install --quiet --disable-pip-version-check onednn-devel-cpu-gomp==2023.2.0
+fi
+if [ ! -e "$ONEDNN_LIB_DIR/libdnnl.so.3" ]; then
+    echo "oneDNN was installed but $ONEDNN_LIB_DIR/libdnnl.so.3 is missing" >&2
+    exit 1
+fi
+
+run() {
+    echo "+ $*"
+    "$@"
+}
+
+# Everything, with the oneDNN backend.
+run cargo test --workspace --release --features onednn
+# The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
+CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
