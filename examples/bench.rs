@@ -205,6 +205,9 @@ fn main() {
     );
 
     let mut bench = Bench::new(config, peak);
+    if !bench.onednn {
+        println!("oneDNN rows: off (build with `--features onednn` and set ONEDNN_LIB_DIR)\n");
+    }
     bench.print_header();
     run_suite(&mut bench);
 

@@ -23,3 +23,6 @@ run() {
 run cargo test --workspace --release --features onednn
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
 CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
+# The main example in its short mode: exits non-zero unless the network learned.
+run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
+run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors

@@ -23,6 +23,8 @@
 
 pub mod activation;
 mod cpu;
+#[cfg(feature = "cuda")]
+pub mod cuda;
 mod element;
 mod error;
 pub mod init;
