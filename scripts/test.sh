@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test. Installs what the tests need first (idempotently): oneDNN 3.2 for the
-# `onednn` feature, which loads it at run time from ONEDNN_LIB_DIR.
+# `onednn` feature, which loads it at run time from ONEDNN_LIB_DIR, and NVRTC 13 with the CUDA
+# headers for the `cuda` feature's kernel compile checks.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -14,13 +15,17 @@ if [ ! -e "$ONEDNN_LIB_DIR/libdnnl.so.3" ]; then
     exit 1
 fi
 
+# NVRTC and the CUDA headers, to compile every generated kernel for sm_90 (no GPU needed).
+python3 -m pip install --quiet --disable-pip-version-check \
+    nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96
+
 run() {
     echo "+ $*"
     "$@"
 }
 
-# Everything, with the oneDNN backend.
-run cargo test --workspace --release --features onednn
+# Everything, with the oneDNN backend and the CUDA kernels' compile checks.
+run cargo test --workspace --release --features onednn,cuda
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
 CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
 # The main example in its short mode: exits non-zero unless the network learned.

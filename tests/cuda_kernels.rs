@@ -144,7 +144,10 @@ fn errors_name_the_kernel_file() {
     );
     let err = nvrtc::compile(&source, ARCH).unwrap_err();
     // The direct kernels are the last file of a direct layer's source.
-    assert!(err.reason.contains("kernels/direct.cu("), "{err}");
+    assert!(
+        err.reason.contains("conv_macros/kernels/direct.cu("),
+        "{err}"
+    );
     assert!(err.reason.contains("broken on purpose"), "{err}");
 }
 

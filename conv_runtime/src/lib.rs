@@ -13,12 +13,15 @@
 //!     pub struct Conv1 { input: [84, 84, 4], out_channels: 32, kernel: 8, stride: 4, activation: Relu }
 //! }
 //!
+//! # fn main() -> conv_runtime::Result<()> {
 //! let mut cpu = Cpu::default();
 //! let layer = Conv1::new(&mut Rng::seed_from_u64(0));
 //! let frames = Tensor::<f32, 2, 84, 84, 4>::from_fn(|i| (i % 7) as f32 / 7.0);
 //! let mut features = Tensor::<f32, 2, 20, 20, 32>::zeros();
-//! layer.evaluate(&mut cpu, &frames, &mut features).unwrap();
+//! layer.evaluate(&mut cpu, &frames, &mut features)?;
 //! assert_eq!(Conv1::OUTPUT_HEIGHT, 20);
+//! # Ok(())
+//! # }
 //! ```
 
 pub mod activation;

@@ -40,11 +40,14 @@
 //!     pub struct Conv { input: [8, 8, 1], out_channels: 4, kernel: 3, norm: BatchNorm { momentum: 0.1, eps: 1e-5 } }
 //! }
 //!
+//! # fn main() -> conv_runtime::Result<()> {
 //! let mut conv = Conv::new(&mut Rng::seed_from_u64(1));
-//! let bytes = Writer::new().add("conv", &mut conv).unwrap().to_bytes().unwrap();
+//! let bytes = Writer::new().add("conv", &mut conv)?.to_bytes()?;
 //! let mut copy = Conv::new(&mut Rng::seed_from_u64(2));
-//! Reader::from_bytes(bytes).unwrap().load("conv", &mut copy).unwrap();
+//! Reader::from_bytes(bytes)?.load("conv", &mut copy)?;
 //! assert_eq!(copy.abs_diff(&conv), 0.0);
+//! # Ok(())
+//! # }
 //! ```
 //!
 //! [safetensors]: https://huggingface.co/docs/safetensors

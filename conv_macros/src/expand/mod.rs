@@ -2,6 +2,7 @@
 
 mod backward;
 mod cpu;
+mod cuda;
 mod kernel;
 mod norm;
 mod onednn;
@@ -15,9 +16,11 @@ use crate::spec::{Dtype, Spec};
 pub fn expand(spec: &Spec) -> TokenStream {
     let types = types::expand(spec);
     let cpu = cpu::expand(spec);
+    let cuda = cuda::expand(spec);
     quote! {
         #types
         #cpu
+        #cuda
     }
 }
 

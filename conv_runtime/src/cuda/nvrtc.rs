@@ -51,15 +51,19 @@ const MARKER_HEADER: &str = "cuda_fp16.h";
 
 /// Compiles `source` for the GPU architecture `arch` (e.g. `"sm_90"`) into a CUBIN.
 ///
-/// The source is C++17 CUDA; the precise math library is used (no fast-math). A compilation
-/// error is an [`Error`] whose reason carries NVRTC's log.
+/// The source is C++17 CUDA. The precise math library is used (no fast-math); multiply-adds
+/// may contract to FMAs (NVRTC's default, as the CPU's convolution uses FMA), so results agree
+/// with the CPU's to rounding, not bit for bit. A compilation error is an [`Error`] whose
+/// reason carries NVRTC's log.
 pub fn compile(source: &str, arch: &str) -> Result<Vec<u8>> {
     compile_with_log(source, arch).map(|compiled| compiled.cubin)
 }
 
-/// A successful compilation: the CUBIN and NVRTC's log (its warnings; empty when none).
+/// A successful compilation.
 pub struct Compiled {
+    /// The module, for the driver to load.
     pub cubin: Vec<u8>,
+    /// NVRTC's log: its warnings, empty when there are none.
     pub log: String,
 }
 
