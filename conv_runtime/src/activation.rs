@@ -3,7 +3,7 @@
 //! Each activation is a zero-sized type so generated code names it once and the compiler
 //! inlines it into the kernel that applies it.
 
-use crate::element::Real;
+use crate::element::{Element, Real};
 
 /// An element-wise activation `f` with the derivative `df` the backward pass multiplies by,
 /// both taken at the pre-activation `x`.
@@ -15,6 +15,14 @@ pub trait Activation {
     /// The derivative used by backward passes (for FastTanh, rl_tools' `1 - f(x)^2`).
     fn df<R: Real>(x: R) -> R;
 
+    /// The same derivative given also the output `y = f(x)`, which the ones defined through
+    /// their output (Tanh, Sigmoid, FastTanh) use instead of evaluating `f` again.
+    #[inline(always)]
+    fn df_given_output<R: Real>(x: R, y: R) -> R {
+        let _ = y;
+        Self::df(x)
+    }
+
     /// Applies `f` in place; the ones that vectorize as written override nothing.
     #[inline(always)]
     fn apply<R: Real>(xs: &mut [R]) {
@@ -22,6 +30,59 @@ pub trait Activation {
             *x = Self::f(*x);
         }
     }
+}
+
+/// Applies `A` in place, vectorized with AVX2+FMA where the CPU has it: the generated kernels'
+/// epilogues call this rather than `A::apply`, whose loop would otherwise be compiled for the
+/// baseline target only.
+#[inline]
+pub fn apply<A: Activation, R: Real>(xs: &mut [R]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn apply_avx2<A: Activation, R: Real>(xs: &mut [R]) {
+            A::apply(xs)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { apply_avx2::<A, R>(xs) };
+        }
+    }
+    A::apply(xs)
+}
+
+/// `dz = d_output * f'(pre)` (with `output = f(pre)`), in the accumulator type, vectorized with
+/// AVX2+FMA where the CPU has it: the first step of every generated backward pass.
+#[inline]
+pub fn backward<A: Activation, T: Element>(
+    d_output: &[T],
+    pre: &[T],
+    output: &[T],
+    dz: &mut [T::Acc],
+) {
+    #[inline(always)]
+    fn run<A: Activation, T: Element>(d: &[T], pre: &[T], out: &[T], dz: &mut [T::Acc]) {
+        for (((dz, d), x), y) in dz.iter_mut().zip(d).zip(pre).zip(out) {
+            *dz = d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc());
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run_avx2<A: Activation, T: Element>(
+            d: &[T],
+            p: &[T],
+            o: &[T],
+            dz: &mut [T::Acc],
+        ) {
+            run::<A, T>(d, p, o, dz)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2::<A, T>(d_output, pre, output, dz) };
+        }
+    }
+    run::<A, T>(d_output, pre, output, dz)
 }
 
 fn c<R: Real>(x: f64) -> R {
@@ -98,6 +159,10 @@ impl Activation for Tanh {
         let t = x.tanh();
         R::ONE - t * t
     }
+    #[inline(always)]
+    fn df_given_output<R: Real>(_: R, y: R) -> R {
+        R::ONE - y * y
+    }
 }
 
 /// rl_tools' rational tanh: clamp to [-3, 3], then x (27 + x^2) / (27 + 9 x^2).
@@ -115,6 +180,10 @@ impl Activation for FastTanh {
         let t = Self::f(x);
         R::ONE - t * t
     }
+    #[inline(always)]
+    fn df_given_output<R: Real>(_: R, y: R) -> R {
+        R::ONE - y * y
+    }
 }
 
 /// 1 / (1 + e^-x).
@@ -129,6 +198,10 @@ impl Activation for Sigmoid {
     fn df<R: Real>(x: R) -> R {
         let s = Self::f(x);
         s * (R::ONE - s)
+    }
+    #[inline(always)]
+    fn df_given_output<R: Real>(_: R, y: R) -> R {
+        y * (R::ONE - y)
     }
 }
 
@@ -148,6 +221,26 @@ mod tests {
                 A::df(x)
             );
         }
+    }
+
+    #[test]
+    fn derivative_given_output_is_the_derivative() {
+        fn check<A: Activation>() {
+            for i in -40..=40 {
+                let x = i as f64 * 0.173 + 0.011;
+                assert!(
+                    (A::df_given_output(x, A::f(x)) - A::df(x)).abs() < 1e-15,
+                    "{}",
+                    A::NAME
+                );
+            }
+        }
+        check::<Identity>();
+        check::<Relu>();
+        check::<Gelu>();
+        check::<Tanh>();
+        check::<FastTanh>();
+        check::<Sigmoid>();
     }
 
     #[test]

@@ -163,7 +163,10 @@ mod fast_math {
         let p = p * r + 0.166_666_65;
         let p = p * r + 0.5;
         let e_r = p * r * r + r + 1.0;
-        e_r * f32::from_bits(((n as i32 + 127) as u32) << 23)
+        // SAFETY: `n` is an integer in [-126, 127] (x is clamped above), so the conversion is
+        // exact; unlike `as`, it compiles to one vector instruction (no saturation checks).
+        let n: i32 = unsafe { n.to_int_unchecked() };
+        e_r * f32::from_bits(((n + 127) as u32) << 23)
     }
 
     /// tanh(x) = sign(x) (1 - e^(-2|x|)) / (1 + e^(-2|x|)).

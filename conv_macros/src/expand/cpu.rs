@@ -346,7 +346,7 @@ fn operations(spec: &Spec) -> TokenStream {
     } = Names::of(spec);
     let half = is_half(spec);
     let act = activation_type(spec.activation);
-    let apply = quote!(<#act as #rt::Activation>::apply);
+    let apply = quote!(#rt::activation::apply::<#act, _>);
     let f = quote!(<#act as #rt::Activation>::f);
     // Rounds accumulator values into element-typed storage.
     let store = if half {

@@ -336,10 +336,12 @@ fn d_conv(spec: &Spec) -> TokenStream {
             grads: ::core::option::Option<&mut #grads>,
             dz: &mut [__A],
         ) {
-            let pre = state.pre_activation.as_slice();
-            for i in 0..BATCH * NPIX * OC {
-                dz[i] = #to_acc(d_output[i]) * <#act as #rt::Activation>::df(#to_acc(pre[i]));
-            }
+            #rt::activation::backward::<#act, __T>(
+                d_output,
+                state.pre_activation.as_slice(),
+                state.output.as_slice(),
+                &mut dz[..BATCH * NPIX * OC],
+            );
             #norm
         }
     }

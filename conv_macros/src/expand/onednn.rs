@@ -138,7 +138,7 @@ fn fallback(spec: &Spec) -> TokenStream {
 fn native(spec: &Spec) -> TokenStream {
     let rt = rt();
     let act = activation_type(spec.activation);
-    let apply = quote!(<#act as #rt::Activation>::apply);
+    let apply = quote!(#rt::activation::apply::<#act, _>);
     // oneDNN's relu, tanh, logistic and gelu_tanh are exactly these activations.
     let fused = match spec.activation {
         Activation::Relu => Some(quote!(Relu)),
