@@ -17,7 +17,7 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{acc, backward, elem, lit, norm, onednn, rt, Names};
+use super::{acc, backward, elem, lit, norm, onednn, rt};
 use crate::spec::{Activation, Dtype, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
@@ -338,12 +338,6 @@ fn forward_tile(spec: &Spec, blk: &Blocking, nv: usize, last_lanes: usize) -> To
 /// The `Cpu` device's implementation of the layer's operations.
 fn operations(spec: &Spec) -> TokenStream {
     let rt = rt();
-    let Names {
-        layer,
-        grads,
-        state,
-        device,
-    } = Names::of(spec);
     let half = is_half(spec);
     let act = activation_type(spec.activation);
     let apply = quote!(#rt::activation::apply::<#act, _>);
@@ -427,70 +421,30 @@ fn operations(spec: &Spec) -> TokenStream {
         ),
     };
 
-    let x_ty = quote!(#rt::Tensor<__T, BATCH, IH, IW, IC>);
-    let y_ty = quote!(#rt::Tensor<__T, BATCH, OH, OW, OC>);
-    quote! {
-        impl #device for #rt::Cpu {
-            fn evaluate<const __B: usize>(
-                &mut self,
-                layer: &#layer,
-                input: &#rt::Tensor<__T, __B, IH, IW, IC>,
-                output: &mut #rt::Tensor<__T, __B, OH, OW, OC>,
-            ) -> #rt::Result<()> {
-                #evaluate
-                ::core::result::Result::Ok(())
-            }
-
-            fn forward(
-                &mut self,
-                layer: &mut #layer,
-                input: &#x_ty,
-                state: &mut #state,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                let _ = mode;
-                #forward
-                ::core::result::Result::Ok(())
-            }
-
-            fn backward_input(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                backward_pass(self, layer, state, &[], d_output.as_slice(), ::core::option::Option::Some(d_input.as_mut_slice()), ::core::option::Option::None, mode);
-                ::core::result::Result::Ok(())
-            }
-
-            fn backward(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), ::core::option::Option::None, ::core::option::Option::Some(grads), mode);
-                ::core::result::Result::Ok(())
-            }
-
-            fn backward_full(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), ::core::option::Option::Some(d_input.as_mut_slice()), ::core::option::Option::Some(grads), mode);
-                ::core::result::Result::Ok(())
-            }
-        }
-    }
+    let some = quote!(::core::option::Option::Some);
+    let none = quote!(::core::option::Option::None);
+    let ok = quote!(::core::result::Result::Ok(()));
+    super::types::device_impl(spec, quote!(#rt::Cpu), |method| match method {
+        "evaluate" => quote! {
+            #evaluate
+            #ok
+        },
+        "forward" => quote! {
+            let _ = mode;
+            #forward
+            #ok
+        },
+        "backward_input" => quote! {
+            backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode);
+            #ok
+        },
+        "backward" => quote! {
+            backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode);
+            #ok
+        },
+        _ => quote! {
+            backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode);
+            #ok
+        },
+    })
 }

@@ -12,6 +12,7 @@ use proc_macro2::TokenStream;
 use quote::quote;
 
 use super::cpu::activation_type;
+use super::types::device_impl;
 use super::{rt, Names};
 use crate::spec::{Activation, Dtype, Norm, Spec};
 
@@ -29,90 +30,11 @@ pub fn expand(spec: &Spec) -> TokenStream {
     }
 }
 
-/// The device trait's methods with `body(method)` as each one's body.
-fn device_impl(spec: &Spec, body: impl Fn(&str) -> TokenStream) -> TokenStream {
-    let rt = rt();
-    let Names {
-        layer,
-        grads,
-        state,
-        device,
-    } = Names::of(spec);
-    let x_ty = quote!(#rt::Tensor<__T, BATCH, IH, IW, IC>);
-    let y_ty = quote!(#rt::Tensor<__T, BATCH, OH, OW, OC>);
-    let [evaluate, forward, backward_input, backward, backward_full] = [
-        "evaluate",
-        "forward",
-        "backward_input",
-        "backward",
-        "backward_full",
-    ]
-    .map(&body);
-    quote! {
-        impl #device for #rt::onednn::OneDnn {
-            fn evaluate<const __B: usize>(
-                &mut self,
-                layer: &#layer,
-                input: &#rt::Tensor<__T, __B, IH, IW, IC>,
-                output: &mut #rt::Tensor<__T, __B, OH, OW, OC>,
-            ) -> #rt::Result<()> {
-                #evaluate
-            }
-
-            fn forward(
-                &mut self,
-                layer: &mut #layer,
-                input: &#x_ty,
-                state: &mut #state,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                #forward
-            }
-
-            fn backward_input(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                #backward_input
-            }
-
-            fn backward(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                #backward
-            }
-
-            fn backward_full(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()> {
-                #backward_full
-            }
-        }
-    }
-}
-
 /// Every operation runs the CPU device's generated code.
 fn fallback(spec: &Spec) -> TokenStream {
     let rt = rt();
     let device = Names::of(spec).device;
-    device_impl(spec, |method| {
+    device_impl(spec, quote!(#rt::onednn::OneDnn), |method| {
         let (method, args) = match method {
             "evaluate" => ("evaluate", quote!(layer, input, output)),
             "forward" => ("forward", quote!(layer, input, state, mode)),
@@ -173,7 +95,7 @@ fn native(spec: &Spec) -> TokenStream {
             #apply(out);
         }
     };
-    let methods = device_impl(spec, |method| match method {
+    let methods = device_impl(spec, quote!(#rt::onednn::OneDnn), |method| match method {
         "evaluate" => quote! {
             let w = &layer.weights;
             self.__conv_forward(&ONEDNN, __B, true, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), output.as_mut_slice())?;

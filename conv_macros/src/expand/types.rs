@@ -73,6 +73,109 @@ pub const CONSTANTS: [&str; 13] = [
     "BATCH_SIZE",
 ];
 
+/// One operation of the per-layer device trait.
+pub struct DeviceMethod {
+    pub name: &'static str,
+    doc: &'static str,
+    /// `fn name<..>(&mut self, ..) -> Result<()>`.
+    signature: TokenStream,
+}
+
+/// The operations every device implements for a layer, written once for the trait and for
+/// every device's implementation.
+pub fn device_methods(spec: &Spec) -> Vec<DeviceMethod> {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        ..
+    } = Names::of(spec);
+    let t = elem(spec.dtype);
+    let (ih, iw, ic) = (lit(spec.in_h()), lit(spec.in_w()), lit(spec.in_c()));
+    let (oh, ow, oc) = (lit(spec.out_h()), lit(spec.out_w()), lit(spec.out_channels));
+    let batch = lit(spec.batch);
+    let x_ty = quote!(#rt::Tensor<#t, #batch, #ih, #iw, #ic>);
+    let y_ty = quote!(#rt::Tensor<#t, #batch, #oh, #ow, #oc>);
+    let result = quote!(#rt::Result<()>);
+    let method =
+        |name: &'static str, doc: &'static str, generics: TokenStream, params: TokenStream| {
+            let ident = format_ident!("{}", name);
+            let signature = quote! {
+                #[allow(clippy::too_many_arguments)]
+                fn #ident #generics(&mut self, #params) -> #result
+            };
+            DeviceMethod {
+                name,
+                doc,
+                signature,
+            }
+        };
+    vec![
+        method(
+            "evaluate",
+            "Inference on any batch.",
+            quote!(<const __B: usize>),
+            quote! {
+                layer: &#layer,
+                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
+            },
+        ),
+        method(
+            "forward",
+            "Training-batch forward pass keeping what the backward pass needs.",
+            quote!(),
+            quote!(layer: &mut #layer, input: &#x_ty, state: &mut #state, mode: #rt::Mode,),
+        ),
+        method(
+            "backward_input",
+            "Input gradient of the last forward pass.",
+            quote!(),
+            quote! {
+                layer: &#layer, state: &#state, d_output: &#y_ty, d_input: &mut #x_ty,
+                mode: #rt::Mode,
+            },
+        ),
+        method(
+            "backward",
+            "Parameter gradients of the last forward pass, added into `grads`.",
+            quote!(),
+            quote! {
+                layer: &#layer, state: &#state, input: &#x_ty, d_output: &#y_ty,
+                grads: &mut #grads, mode: #rt::Mode,
+            },
+        ),
+        method(
+            "backward_full",
+            "Input and parameter gradients in one pass.",
+            quote!(),
+            quote! {
+                layer: &#layer, state: &#state, input: &#x_ty, d_output: &#y_ty,
+                d_input: &mut #x_ty, grads: &mut #grads, mode: #rt::Mode,
+            },
+        ),
+    ]
+}
+
+/// `impl <Layer>Device for <device>` with `body(method name)` as each method's body.
+pub fn device_impl(
+    spec: &Spec,
+    device: TokenStream,
+    body: impl Fn(&str) -> TokenStream,
+) -> TokenStream {
+    let device_trait = Names::of(spec).device;
+    let methods = device_methods(spec).into_iter().map(|m| {
+        let (signature, body) = (&m.signature, body(m.name));
+        quote!(#signature { #body })
+    });
+    quote! {
+        impl #device_trait for #device {
+            #(#methods)*
+        }
+    }
+}
+
 /// Whether the user's attributes derive `name` (then the macro does not implement it).
 fn derives(attrs: &[syn::Attribute], name: &str) -> bool {
     attrs
@@ -211,6 +314,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
     });
 
+    let trait_methods = device_methods(spec).into_iter().map(|m| {
+        let DeviceMethod { doc, signature, .. } = m;
+        quote! {
+            #[doc = #doc]
+            #signature;
+        }
+    });
     let layer_doc = format!(
         "Devices that can run [`{layer}`]: the CPU, and the other backends the runtime was built with."
     );
@@ -248,58 +358,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
         #[doc = #layer_doc]
         #vis trait #device {
-            /// Inference on any batch.
-            fn evaluate<const __B: usize>(
-                &mut self,
-                layer: &#layer,
-                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
-                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
-            ) -> #rt::Result<()>;
-            /// Training-batch forward pass keeping what the backward pass needs.
-            fn forward(
-                &mut self,
-                layer: &mut #layer,
-                input: &#x_ty,
-                state: &mut #state,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()>;
-            /// Input gradient of the last forward pass.
-            fn backward_input(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()>;
-            /// Parameter gradients of the last forward pass, added into `grads`.
-            fn backward(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()>;
-            /// Input and parameter gradients in one pass.
-            #[allow(clippy::too_many_arguments)]
-            fn backward_full(
-                &mut self,
-                layer: &#layer,
-                state: &#state,
-                input: &#x_ty,
-                d_output: &#y_ty,
-                d_input: &mut #x_ty,
-                grads: &mut #grads,
-                mode: #rt::Mode,
-            ) -> #rt::Result<()>;
+            #(#trait_methods)*
         }
 
         impl #layer {
             #(#consts)*
 
-            /// __A layer initialized by the spec's initializer.
+            /// A layer initialized by the spec's initializer.
             pub fn new(rng: &mut #rt::Rng) -> Self {
                 let mut weights = #rt::Tensor::zeros();
                 let mut biases = #rt::Vector::zeros();
