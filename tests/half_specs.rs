@@ -8,26 +8,6 @@
 #[macro_use]
 mod common;
 
-/// `[h, w]` from a spec size written `n` or `[h, w]`.
-macro_rules! dims {
-    ($n:literal) => {
-        [$n, $n]
-    };
-    ([$h:literal, $w:literal]) => {
-        [$h, $w]
-    };
-}
-
-/// The value given for an optional spec key, else the default.
-macro_rules! or_default {
-    ($default:expr) => {
-        $default
-    };
-    ($default:expr, $given:expr) => {
-        $given
-    };
-}
-
 /// `spec!(module, key: value, ..)`: the keys in the order below, written to `conv2d!` as given
 /// once per half type, in place of the spec's dtype.
 macro_rules! spec {

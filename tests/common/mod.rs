@@ -8,6 +8,26 @@
 #[macro_use]
 mod spec_list;
 
+/// `[h, w]` from a spec size written `n` or `[h, w]`.
+macro_rules! dims {
+    ($n:literal) => {
+        [$n, $n]
+    };
+    ([$h:literal, $w:literal]) => {
+        [$h, $w]
+    };
+}
+
+/// The value given for an optional spec key, else the default.
+macro_rules! or_default {
+    ($default:expr) => {
+        $default
+    };
+    ($default:expr, $given:expr) => {
+        $given
+    };
+}
+
 use conv_runtime::prelude::{Element, Mode};
 use serde_json::Value;
 
