@@ -41,9 +41,7 @@ fn data_kernel(spec: &Spec) -> TokenStream {
     let segment = spec.kernel[1] * spec.in_c();
     let blk = Blocking::new(spec.dtype, segment);
     let l = blk.lanes;
-    let calls = blk.blocks().into_iter().map(|b| {
-        let tile = format_ident!("data_tile_{}_{}", b.nv, b.last_lanes);
-        let first = lit(b.first * l);
+    let calls = blk.calls("data_tile", |tile, first| {
         quote! {
             let dsts: [*mut __A; DP] = ::core::array::from_fn(|p| rows[p].add(#first));
             #tile::<S>(&dzs, w.add(kh * OC * SEGP + OC * #first), &dsts);
@@ -138,7 +136,7 @@ fn data_kernel(spec: &Spec) -> TokenStream {
                 });
                 for kh in 0..KH {
                     let rows: [*mut __A; DP] = ::core::array::from_fn(|p| bases[p].add(kh * XW * IC));
-                    #(#calls)*
+                    #calls
                 }
                 q0 += DP;
             }
@@ -169,9 +167,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let rt = rt();
     let blk = Blocking::new(spec.dtype, spec.out_channels);
     let l = blk.lanes;
-    let calls = blk.blocks().into_iter().map(|b| {
-        let tile = format_ident!("weight_tile_{}_{}", b.nv, b.last_lanes);
-        let first = lit(b.first * l);
+    let calls = blk.calls("weight_tile", |tile, first| {
         quote! {
             let dsts: [*mut __A; P] = ::core::array::from_fn(|i| rows[i].add(#first));
             #tile::<S>(x, &xoff[..count], &offs, dz.add(q0 * OC + #first), &dsts);
@@ -249,7 +245,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
                     let rows: [*mut __A; P] = ::core::array::from_fn(|i| {
                         dw.add(if r0 + i < WINDOW { r0 + i } else { WINDOW } * OCP)
                     });
-                    #(#calls)*
+                    #calls
                     r0 += P;
                 }
                 q0 += CHUNK;

@@ -148,30 +148,24 @@ fn stage_fn(spec: &Spec) -> TokenStream {
 fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let rt = rt();
     let layer = &spec.ident;
-    let window_row = spec.kernel[1] * spec.in_c();
-    let block_len = |nv: usize| spec.kernel[0] * window_row * nv * blk.lanes;
-
-    let mut block_calls = Vec::new();
-    let mut pack_blocks = Vec::new();
-    let mut offset = 0;
-    for b in blk.blocks() {
-        let tile = format_ident!("tile_{}_{}", b.nv, b.last_lanes);
-        let (w_off, c_off, width) = (lit(offset), lit(b.first * blk.lanes), lit(b.nv * blk.lanes));
-        block_calls.push(quote! {
-            #tile::<S, RELU>(&xs, w.add(#w_off), w.add(BIAS_OFFSET + #c_off), out.add(#c_off));
-        });
-        pack_blocks.push(quote! {
+    let block_calls = blk.calls("tile", |tile, first| {
+        quote! {
+            #tile::<S, RELU>(&xs, w.add(WINDOW * #first), w.add(BIAS_OFFSET + #first), out.add(#first));
+        }
+    });
+    let pack_blocks = blk.blocks().into_iter().map(|b| {
+        let (first, width) = (lit(b.first * blk.lanes), lit(b.nv * blk.lanes));
+        quote! {
             for c in 0..#width {
-                let oc = #c_off + c;
+                let oc = #first + c;
                 if oc < OC {
                     for k in 0..WINDOW {
-                        out[#w_off + k * #width + c] = w[oc * WINDOW + k].to_acc();
+                        out[WINDOW * #first + k * #width + c] = w[oc * WINDOW + k].to_acc();
                     }
                 }
             }
-        });
-        offset += block_len(b.nv);
-    }
+        }
+    });
     let tiles = blk
         .kinds()
         .into_iter()
@@ -220,7 +214,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 });
                 let out: *mut __A =
                     if valid == P { y.as_mut_ptr().add(q0 * OC) } else { tail.as_mut_ptr() };
-                #(#block_calls)*
+                #block_calls
                 if valid < P {
                     y[q0 * OC..(q0 + valid) * OC].copy_from_slice(&tail[..valid * OC]);
                 }

@@ -11,9 +11,9 @@
 //! channel loops keep literal bounds and are left to LLVM.
 
 use proc_macro2::{Ident, TokenStream};
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, ToTokens};
 
-use super::rt;
+use super::{lit, rt};
 use crate::spec::Dtype;
 
 /// Accumulator registers per tile.
@@ -82,6 +82,38 @@ impl Blocking {
                 }
             })
             .collect()
+    }
+
+    /// The tile calls covering the dimension: a loop over the full blocks (one inlined copy of
+    /// their tile, whatever the layer's width), then the partial block if any.
+    /// `call(tile function, first element of the block)` emits one call.
+    pub fn calls(
+        &self,
+        prefix: &str,
+        call: impl Fn(&Ident, TokenStream) -> TokenStream,
+    ) -> TokenStream {
+        let blocks = self.blocks();
+        let full = blocks
+            .iter()
+            .filter(|b| b.nv == self.v && b.last_lanes == self.lanes)
+            .count();
+        let mut out = TokenStream::new();
+        if full > 0 {
+            let tile = format_ident!("{}_{}_{}", prefix, self.v, self.lanes);
+            let (count, width) = (lit(full), lit(self.v * self.lanes));
+            let body = call(&tile, quote!(first));
+            out.extend(quote! {
+                for block in 0..#count {
+                    let first = block * #width;
+                    #body
+                }
+            });
+        }
+        for b in &blocks[full..] {
+            let tile = format_ident!("{}_{}_{}", prefix, b.nv, b.last_lanes);
+            out.extend(call(&tile, lit(b.first * self.lanes).into_token_stream()));
+        }
+        out
     }
 
     /// The distinct block shapes, one tile function each.
