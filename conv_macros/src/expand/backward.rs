@@ -47,22 +47,7 @@ fn data_kernel(spec: &Spec) -> TokenStream {
             #tile::<S>(&dzs, w.add(kh * OC * SEGP + OC * #first), &dsts);
         }
     });
-    let packs = blk.blocks().into_iter().map(|b| {
-        let (first, width) = (lit(b.first * l), lit(b.nv * l));
-        quote! {
-            for kh in 0..KH {
-                for oc in 0..OC {
-                    for lane in 0..#width {
-                        let s = #first + lane;
-                        if s < SEG {
-                            out[kh * OC * SEGP + OC * #first + oc * #width + lane] =
-                                w[(oc * KH + kh) * SEG + s].to_acc();
-                        }
-                    }
-                }
-            }
-        }
-    });
+    let block = lit(blk.v * l);
     let tiles = blk.kinds().into_iter().map(|(nv, last)| {
         let name = format_ident!("data_tile_{}_{}", nv, last);
         let width = lit(nv * l);
@@ -153,9 +138,21 @@ fn data_kernel(spec: &Spec) -> TokenStream {
         const DATA_LAYOUT: u64 = #layout;
 
         /// OHWI weights -> `[kh][block][oc][lanes of the (kw, ic) segment]`, zero-padded.
+        /// Runs once per parameter change: a plain loop nest.
         fn pack_data(w: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            #(#packs)*
+            for kh in 0..KH {
+                for oc in 0..OC {
+                    for s in 0..SEG {
+                        // The block holding `s`: full blocks are `BLOCK` wide, the last one
+                        // may be less.
+                        let first = s / #block * #block;
+                        let width = if SEGP - first < #block { SEGP - first } else { #block };
+                        out[kh * OC * SEGP + OC * first + oc * width + (s - first)] =
+                            w[(oc * KH + kh) * SEG + s].to_acc();
+                    }
+                }
+            }
         }
 
         #kernel

@@ -153,19 +153,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             #tile::<S, RELU>(&xs, w.add(WINDOW * #first), w.add(BIAS_OFFSET + #first), out.add(#first));
         }
     });
-    let pack_blocks = blk.blocks().into_iter().map(|b| {
-        let (first, width) = (lit(b.first * blk.lanes), lit(b.nv * blk.lanes));
-        quote! {
-            for c in 0..#width {
-                let oc = #first + c;
-                if oc < OC {
-                    for k in 0..WINDOW {
-                        out[WINDOW * #first + k * #width + c] = w[oc * WINDOW + k].to_acc();
-                    }
-                }
-            }
-        }
-    });
+    let block = lit(blk.v * blk.lanes);
     let tiles = blk
         .kinds()
         .into_iter()
@@ -261,9 +249,18 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         #kernel
 
         /// OHWI weights -> `[block][kh][kw][ic][lanes]`, zero-padded, then the biases.
+        /// Runs once per parameter change: a plain loop nest (unrolling it would only grow the
+        /// code).
         fn pack(w: &[__T], b: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            #(#pack_blocks)*
+            for oc in 0..OC {
+                // The block holding `oc`: full blocks are `BLOCK` wide, the last one may be less.
+                let first = oc / #block * #block;
+                let width = if OCP - first < #block { OCP - first } else { #block };
+                for k in 0..WINDOW {
+                    out[WINDOW * first + k * width + (oc - first)] = w[oc * WINDOW + k].to_acc();
+                }
+            }
             for c in 0..OC {
                 out[BIAS_OFFSET + c] = b[c].to_acc();
             }

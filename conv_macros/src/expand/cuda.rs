@@ -62,7 +62,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::lit;
+use super::{acc, elem, lit, rt, Names};
 use crate::spec::{Dtype, Norm, Spec};
 
 /// Forward FLOPs up to which the direct kernels run the convolutions.
@@ -156,7 +156,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let kernels = plan.files.iter().flat_map(|f| f.kernels);
     let direct = plan.direct;
     let scratch = lit(plan.scratch(spec));
+    let device = device(spec, &plan);
     quote! {
+        #device
         #[allow(dead_code)]
         impl #layer {
             /// CUDA source of this layer's kernels (see `conv_macros::expand::cuda`).
@@ -336,6 +338,398 @@ impl Plan {
             }
         }
         out
+    }
+}
+
+/// The `Cuda` device's implementation of the layer's operations: the recipe of the module
+/// docs on host tensors (upload, kernels and cuDNN calls, download), emitted inside
+/// `conv_runtime::__private::if_cuda!` so that it exists exactly when the runtime was built
+/// with the `cuda` feature. The spec's choices (direct or cuDNN, norm, half precision) are
+/// made here; the generated code has no branch on them.
+fn device(spec: &Spec, plan: &Plan) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        device,
+    } = Names::of(spec);
+    let t = elem(spec.dtype);
+    let a = acc(spec.dtype);
+    let half = matches!(spec.dtype, Dtype::F16 | Dtype::Bf16);
+    let direct = plan.direct;
+    let consts = [
+        ("BATCH", spec.batch),
+        ("IH", spec.in_h()),
+        ("IW", spec.in_w()),
+        ("IC", spec.in_c()),
+        ("OH", spec.out_h()),
+        ("OW", spec.out_w()),
+        ("OC", spec.out_channels),
+        ("NPIX", spec.out_h() * spec.out_w()),
+        ("WINDOW", spec.fan_in()),
+        ("SCRATCH", plan.scratch(spec)),
+        ("BIAS_ITEMS", plan.bias.count * spec.out_channels),
+        (
+            "WEIGHT_ITEMS",
+            plan.weights
+                .map_or(0, |w| w.count * spec.out_channels * spec.fan_in()),
+        ),
+    ]
+    .map(|(name, value)| {
+        let name = quote::format_ident!("{}", name);
+        let value = lit(value);
+        quote!(#[allow(dead_code)] const #name: usize = #value;)
+    });
+    let geometry = if direct {
+        quote!(::core::option::Option::None)
+    } else {
+        let double = spec.dtype == Dtype::F64;
+        let (ph, pw) = (lit(spec.padding[0]), lit(spec.padding[1]));
+        let (sh, sw) = (lit(spec.stride[0]), lit(spec.stride[1]));
+        let (kh, kw) = (lit(spec.kernel[0]), lit(spec.kernel[1]));
+        quote! {
+            ::core::option::Option::Some(#rt::cuda::ConvGeometry {
+                in_h: IH, in_w: IW, in_c: IC, out_h: OH, out_w: OW, out_c: OC,
+                kernel: [#kh, #kw], stride: [#sh, #sw], padding: [#ph, #pw], double: #double,
+            })
+        }
+    };
+    let ok = quote!(::core::result::Result::Ok);
+    let some = quote!(::core::option::Option::Some);
+    let none = quote!(::core::option::Option::None);
+
+    // Widened copies for cuDNN in f32 (half layers).
+    let widen_fn = (half && !direct).then(|| {
+        quote! {
+            fn widen(s: &Session<'_>, src: &Buf, n: usize) -> #rt::Result<Buf> {
+                let dst = s.zeros::<__A>(n)?;
+                s.launch("widen", blocks_for(n), &[Arg::Long(n), Arg::Buf(src), Arg::Buf(&dst)])?;
+                #ok(dst)
+            }
+        }
+    });
+    let narrow = |n: TokenStream, src: TokenStream, dst: TokenStream| quote!(s.launch("narrow", blocks_for(#n), &[Arg::Long(#n), Arg::Buf(#src), Arg::Buf(#dst)])?;);
+    let conv_body = match (direct, half) {
+        (true, _) => quote! {
+            s.launch("conv_forward", blocks_for(batch * NPIX * OC), &[Arg::Int(batch), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(&y)])?;
+        },
+        (false, false) => quote! {
+            s.conv_forward(batch, x, w, b, &y)?;
+        },
+        (false, true) => quote! {
+            let xa = widen(s, x, batch * IH * IW * IC)?;
+            let wa = widen(s, w, OC * WINDOW)?;
+            let ba = widen(s, b, OC)?;
+            s.conv_forward(batch, &xa, &wa, &ba, &y)?;
+        },
+    };
+
+    let evaluate_tail = match spec.norm {
+        Norm::None => quote! {
+            let out = s.zeros::<__T>(count)?;
+            s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(&y), Arg::Buf(&out)])?;
+        },
+        Norm::BatchNorm { .. } => quote! {
+            let gamma = s.upload(layer.gamma.as_slice())?;
+            let beta = s.upload(layer.beta.as_slice())?;
+            let running_mean = s.upload(layer.running_mean.as_slice())?;
+            let running_var = s.upload(layer.running_var.as_slice())?;
+            let out = s.zeros::<__T>(count)?;
+            s.launch("bn_evaluate", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&y), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Buf(&running_mean), Arg::Buf(&running_var), Arg::Buf(&out)])?;
+        },
+        Norm::LayerNorm { .. } => {
+            let rounded = if half {
+                let narrow = narrow(quote!(count), quote!(&y), quote!(&out));
+                quote! {
+                    let out = s.zeros::<__T>(count)?;
+                    #narrow
+                }
+            } else {
+                quote!(let out = y;)
+            };
+            quote! {
+                #rounded
+                let mean = s.zeros::<__A>(__B)?;
+                let inv_std = s.zeros::<__A>(__B)?;
+                s.launch("ln_stats", __B, &[Arg::Int(__B), Arg::Buf(&out), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                let gamma = s.upload(layer.gamma.as_slice())?;
+                let beta = s.upload(layer.beta.as_slice())?;
+                s.launch("norm_affine", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&out), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Null, Arg::Buf(&out)])?;
+            }
+        }
+    };
+
+    let forward_tail = match spec.norm {
+        Norm::None => quote! {
+            let _ = mode;
+            let pre = s.zeros::<__T>(n)?;
+            let out = s.zeros::<__T>(n)?;
+            s.launch("activation_forward", blocks_for(n), &[Arg::Long(n), Arg::Buf(&y), Arg::Buf(&pre), Arg::Buf(&out)])?;
+            s.download(&pre, state.pre_activation.as_mut_slice())?;
+            s.download(&out, state.output.as_mut_slice())?;
+        },
+        norm => {
+            let rounded = if half {
+                let narrow = narrow(quote!(n), quote!(&y), quote!(&conv));
+                quote! {
+                    let conv = s.zeros::<__T>(n)?;
+                    #narrow
+                }
+            } else {
+                quote!(let conv = y;)
+            };
+            let stats = match norm {
+                Norm::BatchNorm { .. } => quote! {
+                    let mean = s.zeros::<__A>(OC)?;
+                    let inv_std = s.zeros::<__A>(OC)?;
+                    let running_mean = s.upload(layer.running_mean.as_slice())?;
+                    let running_var = s.upload(layer.running_var.as_slice())?;
+                    if ::core::matches!(mode, #rt::Mode::Train) {
+                        s.launch("bn_stats_train", OC, &[Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&running_mean), Arg::Buf(&running_var)])?;
+                        s.download(&running_mean, layer.running_mean.as_mut_slice())?;
+                        s.download(&running_var, layer.running_var.as_mut_slice())?;
+                    } else {
+                        s.launch("bn_stats_eval", blocks_for(OC), &[Arg::Buf(&running_mean), Arg::Buf(&running_var), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                    }
+                },
+                _ => quote! {
+                    let _ = mode;
+                    let mean = s.zeros::<__A>(BATCH)?;
+                    let inv_std = s.zeros::<__A>(BATCH)?;
+                    s.launch("ln_stats", BATCH, &[Arg::Int(BATCH), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                },
+            };
+            quote! {
+                #rounded
+                #stats
+                let gamma = s.upload(layer.gamma.as_slice())?;
+                let beta = s.upload(layer.beta.as_slice())?;
+                let pre = s.zeros::<__T>(n)?;
+                let out = s.zeros::<__T>(n)?;
+                s.launch("norm_affine", blocks_for(n), &[Arg::Int(BATCH), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Buf(&pre), Arg::Buf(&out)])?;
+                s.download(&conv, state.conv.as_mut_slice())?;
+                s.download(&mean, state.mean.as_mut_slice())?;
+                s.download(&inv_std, state.inv_std.as_mut_slice())?;
+                s.download(&pre, state.pre_activation.as_mut_slice())?;
+                s.download(&out, state.output.as_mut_slice())?;
+            }
+        }
+    };
+
+    // Backward through the norm, in place on `dz`; `norm_grads` are the uploaded gamma and
+    // beta gradients when the parameter gradients are wanted.
+    let norm_backward = match spec.norm {
+        Norm::None => quote!(let _ = mode;),
+        norm => {
+            let kernels = match norm {
+                Norm::BatchNorm { .. } => quote! {
+                    let (d_gamma, d_beta) = match &norm_grads {
+                        #some((g, b)) => (Arg::Buf(g), Arg::Buf(b)),
+                        #none => (Arg::Null, Arg::Null),
+                    };
+                    let kernel = if ::core::matches!(mode, #rt::Mode::Train) { "bn_backward_train" } else { "bn_backward_eval" };
+                    s.launch(kernel, OC, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), d_gamma, d_beta])?;
+                },
+                _ => quote! {
+                    let _ = mode;
+                    if let #some((g, b)) = &norm_grads {
+                        s.launch("ln_param_grads", OC, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(g), Arg::Buf(b)])?;
+                    }
+                    s.launch("ln_backward", BATCH, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma)])?;
+                },
+            };
+            quote! {
+                let conv = s.upload(state.conv.as_slice())?;
+                let mean = s.upload(state.mean.as_slice())?;
+                let inv_std = s.upload(state.inv_std.as_slice())?;
+                let gamma = s.upload(layer.gamma.as_slice())?;
+                let norm_grads = match grads.as_deref() {
+                    #some(g) => #some((s.upload(g.gamma.as_slice())?, s.upload(g.beta.as_slice())?)),
+                    #none => #none,
+                };
+                #kernels
+            }
+        }
+    };
+    let norm_grads_download = (spec.norm != Norm::None).then(|| {
+        quote! {
+            if let #some((g, b)) = &norm_grads {
+                s.download(g, grads.gamma.as_mut_slice())?;
+                s.download(b, grads.beta.as_mut_slice())?;
+            }
+        }
+    });
+    let weight_grad = match (direct, half) {
+        (true, _) => quote! {
+            s.launch("conv_backward_weights_partial", blocks_for(WEIGHT_ITEMS), &[Arg::Buf(&x), Arg::Buf(&dz), Arg::Buf(&partials)])?;
+            s.launch("conv_backward_weights_finish", OC * WINDOW, &[Arg::Buf(&partials), Arg::Buf(&d_weights)])?;
+        },
+        (false, false) => quote! {
+            s.conv_backward_filter(BATCH, &x, &dz, &d_weights)?;
+        },
+        (false, true) => quote! {
+            let xa = widen(s, &x, BATCH * IH * IW * IC)?;
+            s.conv_backward_filter(BATCH, &xa, &dz, &d_weights)?;
+        },
+    };
+    let data_grad = match (direct, half) {
+        (true, _) => quote! {
+            s.launch("conv_backward_data", blocks_for(len), &[Arg::Buf(&dz), Arg::Buf(&w), Arg::Buf(&dx)])?;
+        },
+        (false, false) => quote! {
+            s.conv_backward_data(BATCH, &w, &dz, &dx)?;
+        },
+        (false, true) => {
+            let narrow = narrow(quote!(len), quote!(&dxa), quote!(&dx));
+            quote! {
+                let wa = widen(s, &w, OC * WINDOW)?;
+                let dxa = s.zeros::<__A>(len)?;
+                s.conv_backward_data(BATCH, &wa, &dz, &dxa)?;
+                #narrow
+            }
+        }
+    };
+
+    quote! {
+        #rt::if_cuda! {
+            // Literal arithmetic is the point of specializing (as in the CPU block).
+            #[allow(clippy::all)]
+            const _: () = {
+                use #rt::cuda::{blocks_for, Arg, Buf, Session};
+                type __T = #t;
+                type __A = #a;
+                #(#consts)*
+
+                static SETUP: #rt::cuda::LayerSetup = #rt::cuda::LayerSetup::new(
+                    #layer::__CUDA_SOURCE,
+                    #layer::__CUDA_KERNELS,
+                    #geometry,
+                );
+
+                #widen_fn
+
+                /// The convolution with bias of `batch` images, into a new accumulator-type buffer.
+                fn conv(s: &mut Session<'_>, batch: usize, x: &Buf, w: &Buf, b: &Buf) -> #rt::Result<Buf> {
+                    let y = s.zeros::<__A>(batch * NPIX * OC)?;
+                    #conv_body
+                    #ok(y)
+                }
+
+                /// Every backward operation: the input gradient when `d_input` is given, the
+                /// parameter gradients (accumulated) when `grads` is.
+                #[allow(clippy::too_many_arguments)]
+                fn backward_pass(
+                    dev: &mut #rt::cuda::Cuda,
+                    layer: &#layer,
+                    state: &#state,
+                    input: &[__T],
+                    d_output: &[__T],
+                    d_input: ::core::option::Option<&mut [__T]>,
+                    grads: ::core::option::Option<&mut #grads>,
+                    mode: #rt::Mode,
+                ) -> #rt::Result<()> {
+                    let s = &mut dev.__session(&SETUP)?;
+                    let n = BATCH * NPIX * OC;
+                    let d_out = s.upload(d_output)?;
+                    let pre = s.upload(state.pre_activation.as_slice())?;
+                    let dz = s.zeros::<__A>(n)?;
+                    s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(&d_out), Arg::Buf(&pre), Arg::Buf(&dz)])?;
+                    #norm_backward
+                    if let #some(grads) = grads {
+                        let partials = s.zeros::<__A>(SCRATCH)?;
+                        let d_biases = s.upload(grads.biases.as_slice())?;
+                        s.launch("bias_grad_partial", blocks_for(BIAS_ITEMS), &[Arg::Buf(&dz), Arg::Buf(&partials)])?;
+                        s.launch("bias_grad_finish", OC, &[Arg::Buf(&partials), Arg::Buf(&d_biases)])?;
+                        let x = s.upload(input)?;
+                        let d_weights = s.upload(grads.weights.as_slice())?;
+                        #weight_grad
+                        s.download(&d_biases, grads.biases.as_mut_slice())?;
+                        s.download(&d_weights, grads.weights.as_mut_slice())?;
+                        #norm_grads_download
+                    }
+                    if let #some(d_input) = d_input {
+                        let len = BATCH * IH * IW * IC;
+                        let w = s.upload(layer.weights.as_slice())?;
+                        let dx = s.zeros::<__T>(len)?;
+                        #data_grad
+                        s.download(&dx, d_input)?;
+                    }
+                    #ok(())
+                }
+
+                impl #device for #rt::cuda::Cuda {
+                    fn evaluate<const __B: usize>(
+                        &mut self,
+                        layer: &#layer,
+                        input: &#rt::Tensor<__T, __B, IH, IW, IC>,
+                        output: &mut #rt::Tensor<__T, __B, OH, OW, OC>,
+                    ) -> #rt::Result<()> {
+                        let s = &mut self.__session(&SETUP)?;
+                        let count = __B * NPIX * OC;
+                        let x = s.upload(input.as_slice())?;
+                        let w = s.upload(layer.weights.as_slice())?;
+                        let b = s.upload(layer.biases.as_slice())?;
+                        let y = conv(s, __B, &x, &w, &b)?;
+                        #evaluate_tail
+                        s.download(&out, output.as_mut_slice())
+                    }
+
+                    fn forward(
+                        &mut self,
+                        layer: &mut #layer,
+                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
+                        state: &mut #state,
+                        mode: #rt::Mode,
+                    ) -> #rt::Result<()> {
+                        let s = &mut self.__session(&SETUP)?;
+                        let n = BATCH * NPIX * OC;
+                        let x = s.upload(input.as_slice())?;
+                        let w = s.upload(layer.weights.as_slice())?;
+                        let b = s.upload(layer.biases.as_slice())?;
+                        let y = conv(s, BATCH, &x, &w, &b)?;
+                        #forward_tail
+                        #ok(())
+                    }
+
+                    fn backward_input(
+                        &mut self,
+                        layer: &#layer,
+                        state: &#state,
+                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
+                        d_input: &mut #rt::Tensor<__T, BATCH, IH, IW, IC>,
+                        mode: #rt::Mode,
+                    ) -> #rt::Result<()> {
+                        backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode)
+                    }
+
+                    fn backward(
+                        &mut self,
+                        layer: &#layer,
+                        state: &#state,
+                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
+                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
+                        grads: &mut #grads,
+                        mode: #rt::Mode,
+                    ) -> #rt::Result<()> {
+                        backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode)
+                    }
+
+                    fn backward_full(
+                        &mut self,
+                        layer: &#layer,
+                        state: &#state,
+                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
+                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
+                        d_input: &mut #rt::Tensor<__T, BATCH, IH, IW, IC>,
+                        grads: &mut #grads,
+                        mode: #rt::Mode,
+                    ) -> #rt::Result<()> {
+                        backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode)
+                    }
+                }
+            };
+        }
     }
 }
 
