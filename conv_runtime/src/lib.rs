@@ -69,8 +69,28 @@ macro_rules! __if_onednn {
 #[cfg(feature = "onednn")]
 pub use onednn::OneDnn;
 
+/// Expands its input only when this crate was built with the `cuda` feature (as `__if_onednn`).
+#[cfg(feature = "cuda")]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_cuda {
+    ($($tokens:tt)*) => { $($tokens)* };
+}
+
+#[cfg(not(feature = "cuda"))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_cuda {
+    ($($tokens:tt)*) => {};
+}
+
+#[cfg(feature = "cuda")]
+pub use cuda::Cuda;
+
 /// Everything a user of generated layers needs in scope.
 pub mod prelude {
+    #[cfg(feature = "cuda")]
+    pub use crate::Cuda;
     #[cfg(feature = "onednn")]
     pub use crate::OneDnn;
     pub use crate::{
@@ -82,9 +102,12 @@ pub mod prelude {
 /// What generated code names. Not part of the public API.
 #[doc(hidden)]
 pub mod __private {
+    pub use crate::__if_cuda as if_cuda;
     pub use crate::__if_onednn as if_onednn;
     pub use crate::activation::{self, Activation};
     pub use crate::cpu::{CpuScalar, PackKey, Workspace};
+    #[cfg(feature = "cuda")]
+    pub use crate::cuda;
     pub use crate::init::kaiming_uniform;
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
