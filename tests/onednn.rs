@@ -79,7 +79,7 @@ macro_rules! equivalence {
             #[test]
             fn every_operation_matches_the_cpu() {
                 let mut data = SplitMix64::new(0x0d11_0000 + $ih * 1000 + $oc);
-                let mut layer = Layer::new(&mut Rng::seed_from_u64(5));
+                let layer = Layer::new(&mut Rng::seed_from_u64(5));
                 let x = Input::from_vec(values(&mut data, Input::LEN)).unwrap();
                 let d_output = Output::from_vec(values(&mut data, Output::LEN)).unwrap();
                 let (mut cpu, mut onednn) = (Cpu::default(), OneDnn::new().unwrap());

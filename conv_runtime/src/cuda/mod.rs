@@ -6,7 +6,10 @@
 //! the list of its kernels in `Layer::__CUDA_KERNELS`); [`nvrtc::compile`] turns that source into
 //! a CUBIN for the GPU's architecture and [`nvrtc::kernel_names`] lists what a CUBIN defines.
 
+mod device;
 pub mod nvrtc;
+
+pub use device::{blocks_for, Arg, Buf, ConvGeometry, Cuda, DeviceElement, LayerSetup, Session};
 
 /// Threads per block of every generated kernel (1-D blocks); any number of blocks is correct.
 /// The kernels' `THREADS` (`conv_macros/kernels/common.cu`); tests/cuda_kernels.rs checks that

@@ -351,7 +351,7 @@ fn cuda_homes() -> Vec<PathBuf> {
 
 /// The site-packages directories of `python3`, where pip installs NVIDIA's wheels; none when
 /// there is no python3.
-fn python_site_packages() -> Vec<PathBuf> {
+pub(crate) fn python_site_packages() -> Vec<PathBuf> {
     const SCRIPT: &str = "import site, sysconfig\n\
         p = sysconfig.get_paths()\n\
         dirs = [p['purelib'], p['platlib']] + getattr(site, 'getsitepackages', list)()\n\

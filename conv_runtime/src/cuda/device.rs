@@ -1,0 +1,945 @@
+//! The `Cuda` device: a context, a stream, a cuDNN handle and a workspace; and what generated
+//! layers call to run their operations on it.
+//!
+//! Each layer type has a `static` [`LayerSetup`] (its CUDA source, kernel names and, for
+//! cuDNN layers, its convolution geometry with the spec's literal sizes). On first use the
+//! source is compiled with NVRTC for the GPU's own architecture (`sm_XY` from its compute
+//! capability) and the CUBIN is kept in the setup, per architecture, for every device and
+//! thread; each device loads the module once and resolves every kernel the layer lists. cuDNN
+//! descriptors are built once per layer type and batch (in the setup); the algorithms are chosen
+//! once per device, layer type and batch: cuDNN's heuristic for the forward convolution and the
+//! first deterministic algorithm for the two gradients, all with `CUDNN_FMA_MATH` (TF32 would
+//! round the operands).
+//!
+//! The operations take host tensors: a [`Session`] uploads what a kernel reads, runs the
+//! recipe of `conv_macros::expand::cuda` and downloads the results. Gradients accumulate on
+//! the GPU into an uploaded copy of the host gradients (every reduction kernel and cuDNN's
+//! weight gradient add to their destination), which then replaces the host copy.
+
+use std::collections::HashMap;
+use std::ffi::{c_int, c_void};
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, Mutex, OnceLock};
+
+use cudarc::cudnn::sys as dnn;
+use cudarc::driver::{
+    sys as drv, CudaContext, CudaFunction, CudaModule, CudaSlice, CudaStream, DevicePtr,
+    LaunchConfig, PushKernelArg,
+};
+use cudarc::nvrtc::Ptx;
+
+use super::{nvrtc, THREADS};
+use crate::{bf16, f16, Element, Error, Result};
+
+/// Element types that live on the GPU as their bytes (plain data without padding).
+pub trait DeviceElement: Element + sealed::Sealed {}
+
+mod sealed {
+    pub trait Sealed {}
+}
+
+macro_rules! device_element {
+    ($($t:ty),*) => {$(
+        impl sealed::Sealed for $t {}
+        impl DeviceElement for $t {}
+    )*};
+}
+device_element!(f64, f32, f16, bf16);
+
+fn as_bytes<T: DeviceElement>(values: &[T]) -> &[u8] {
+    // SAFETY: f64, f32, f16 and bf16 are plain data without padding; any byte is readable.
+    unsafe {
+        std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
+    }
+}
+
+fn as_bytes_mut<T: DeviceElement>(values: &mut [T]) -> &mut [u8] {
+    // SAFETY: as above, and every bit pattern is a valid value of these types.
+    unsafe {
+        std::slice::from_raw_parts_mut(
+            values.as_mut_ptr().cast::<u8>(),
+            std::mem::size_of_val(values),
+        )
+    }
+}
+
+fn driver(operation: &str, e: cudarc::driver::DriverError) -> Error {
+    Error::new(operation, format!("{:?}", e.0))
+}
+
+fn cudnn(operation: &str, status: dnn::cudnnStatus_t) -> Result<()> {
+    if status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
+        Ok(())
+    } else {
+        Err(Error::new(operation, format!("{status:?}")))
+    }
+}
+
+/// A convolution's sizes, as literals in the generated code of a cuDNN layer.
+#[derive(Clone, Copy, Debug)]
+pub struct ConvGeometry {
+    pub in_h: usize,
+    pub in_w: usize,
+    pub in_c: usize,
+    pub out_h: usize,
+    pub out_w: usize,
+    pub out_c: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    pub padding: [usize; 2],
+    /// f64 layers convolve in double; every other layer in float (half layers on widened
+    /// copies, see `conv_macros/kernels/widen.cu`).
+    pub double: bool,
+}
+
+/// Everything one layer type needs on any device, built on first use.
+pub struct LayerSetup {
+    source: &'static str,
+    kernels: &'static [&'static str],
+    geometry: Option<ConvGeometry>,
+    /// CUBINs per architecture.
+    cubins: Mutex<Vec<(String, Arc<Vec<u8>>)>>,
+    /// cuDNN descriptors per batch.
+    descriptors: Mutex<Vec<(usize, Arc<Descriptors>)>>,
+}
+
+impl LayerSetup {
+    /// A setup for a layer's `__CUDA_SOURCE` and `__CUDA_KERNELS`, and its geometry when its
+    /// convolutions run in cuDNN (`None` when they run in the direct kernels).
+    pub const fn new(
+        source: &'static str,
+        kernels: &'static [&'static str],
+        geometry: Option<ConvGeometry>,
+    ) -> Self {
+        Self {
+            source,
+            kernels,
+            geometry,
+            cubins: Mutex::new(Vec::new()),
+            descriptors: Mutex::new(Vec::new()),
+        }
+    }
+
+    fn id(&'static self) -> usize {
+        self as *const Self as usize
+    }
+
+    fn cubin(&self, arch: &str) -> Result<Arc<Vec<u8>>> {
+        // Held while compiling: two threads wanting the same layer compile it once.
+        let mut cubins = self
+            .cubins
+            .lock()
+            .map_err(|_| Error::new("CUDA kernel cache", "poisoned by a panic"))?;
+        if let Some((_, cubin)) = cubins.iter().find(|(a, _)| a == arch) {
+            return Ok(cubin.clone());
+        }
+        let cubin = Arc::new(nvrtc::compile(self.source, arch)?);
+        cubins.push((arch.to_string(), cubin.clone()));
+        Ok(cubin)
+    }
+
+    fn descriptors(&self, batch: usize) -> Result<Arc<Descriptors>> {
+        let geometry = self.geometry.ok_or_else(|| {
+            Error::new(
+                "cuDNN convolution",
+                "the layer's convolutions run in the direct kernels",
+            )
+        })?;
+        let mut all = self
+            .descriptors
+            .lock()
+            .map_err(|_| Error::new("cuDNN descriptor cache", "poisoned by a panic"))?;
+        if let Some((_, d)) = all.iter().find(|(b, _)| *b == batch) {
+            return Ok(d.clone());
+        }
+        let d = Arc::new(Descriptors::new(&geometry, batch)?);
+        all.push((batch, d.clone()));
+        Ok(d)
+    }
+}
+
+/// cuDNN descriptors of one layer type at one batch: NHWC tensors, an OHWI (`KRSC`) filter.
+struct Descriptors {
+    x: TensorDesc,
+    y: TensorDesc,
+    bias: TensorDesc,
+    w: FilterDesc,
+    conv: ConvDesc,
+    double: bool,
+}
+
+// SAFETY: the descriptors are written once, when created, and only read afterwards (cuDNN
+// reads descriptors without modifying them).
+unsafe impl Send for Descriptors {}
+unsafe impl Sync for Descriptors {}
+
+impl Descriptors {
+    fn new(g: &ConvGeometry, batch: usize) -> Result<Self> {
+        let int = |n: usize| {
+            c_int::try_from(n)
+                .map_err(|_| Error::new("cuDNN descriptor", format!("{n} exceeds int")))
+        };
+        let data = if g.double {
+            dnn::cudnnDataType_t::CUDNN_DATA_DOUBLE
+        } else {
+            dnn::cudnnDataType_t::CUDNN_DATA_FLOAT
+        };
+        let nhwc = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC;
+        let x = TensorDesc::new(
+            data,
+            [int(batch)?, int(g.in_c)?, int(g.in_h)?, int(g.in_w)?],
+        )?;
+        let y = TensorDesc::new(
+            data,
+            [int(batch)?, int(g.out_c)?, int(g.out_h)?, int(g.out_w)?],
+        )?;
+        let bias = TensorDesc::new(data, [1, int(g.out_c)?, 1, 1])?;
+        let w = FilterDesc::new()?;
+        // SAFETY: a descriptor just created.
+        cudnn("cudnnSetFilter4dDescriptor", unsafe {
+            dnn::cudnnSetFilter4dDescriptor(
+                w.0,
+                data,
+                nhwc,
+                int(g.out_c)?,
+                int(g.in_c)?,
+                int(g.kernel[0])?,
+                int(g.kernel[1])?,
+            )
+        })?;
+        let conv = ConvDesc::new()?;
+        // SAFETY: a descriptor just created.
+        cudnn("cudnnSetConvolution2dDescriptor", unsafe {
+            dnn::cudnnSetConvolution2dDescriptor(
+                conv.0,
+                int(g.padding[0])?,
+                int(g.padding[1])?,
+                int(g.stride[0])?,
+                int(g.stride[1])?,
+                1,
+                1,
+                dnn::cudnnConvolutionMode_t::CUDNN_CROSS_CORRELATION,
+                data,
+            )
+        })?;
+        // Plain FMA arithmetic: no tensor-core conversions (TF32) of the operands.
+        // SAFETY: as above.
+        cudnn("cudnnSetConvolutionMathType", unsafe {
+            dnn::cudnnSetConvolutionMathType(conv.0, dnn::cudnnMathType_t::CUDNN_FMA_MATH)
+        })?;
+        Ok(Self {
+            x,
+            y,
+            bias,
+            w,
+            conv,
+            double: g.double,
+        })
+    }
+}
+
+struct TensorDesc(dnn::cudnnTensorDescriptor_t);
+
+impl TensorDesc {
+    fn new(data: dnn::cudnnDataType_t, nchw: [c_int; 4]) -> Result<Self> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        cudnn("cudnnCreateTensorDescriptor", unsafe {
+            dnn::cudnnCreateTensorDescriptor(&mut raw)
+        })?;
+        let desc = Self(raw);
+        let [n, c, h, w] = nchw;
+        // SAFETY: a descriptor just created.
+        cudnn("cudnnSetTensor4dDescriptor", unsafe {
+            dnn::cudnnSetTensor4dDescriptor(
+                desc.0,
+                dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC,
+                data,
+                n,
+                c,
+                h,
+                w,
+            )
+        })?;
+        Ok(desc)
+    }
+}
+
+impl Drop for TensorDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateTensorDescriptor, destroyed only here.
+        let _ = unsafe { dnn::cudnnDestroyTensorDescriptor(self.0) };
+    }
+}
+
+struct FilterDesc(dnn::cudnnFilterDescriptor_t);
+
+impl FilterDesc {
+    fn new() -> Result<Self> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        cudnn("cudnnCreateFilterDescriptor", unsafe {
+            dnn::cudnnCreateFilterDescriptor(&mut raw)
+        })?;
+        Ok(Self(raw))
+    }
+}
+
+impl Drop for FilterDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateFilterDescriptor, destroyed only here.
+        let _ = unsafe { dnn::cudnnDestroyFilterDescriptor(self.0) };
+    }
+}
+
+struct ConvDesc(dnn::cudnnConvolutionDescriptor_t);
+
+impl ConvDesc {
+    fn new() -> Result<Self> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        cudnn("cudnnCreateConvolutionDescriptor", unsafe {
+            dnn::cudnnCreateConvolutionDescriptor(&mut raw)
+        })?;
+        Ok(Self(raw))
+    }
+}
+
+impl Drop for ConvDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateConvolutionDescriptor, destroyed only here.
+        let _ = unsafe { dnn::cudnnDestroyConvolutionDescriptor(self.0) };
+    }
+}
+
+struct Handle(dnn::cudnnHandle_t);
+
+impl Drop for Handle {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreate, destroyed only here.
+        let _ = unsafe { dnn::cudnnDestroy(self.0) };
+    }
+}
+
+/// The algorithms chosen for one layer type and batch on one device.
+#[derive(Clone, Copy)]
+struct Algorithms {
+    forward: dnn::cudnnConvolutionFwdAlgo_t,
+    forward_bytes: usize,
+    data: dnn::cudnnConvolutionBwdDataAlgo_t,
+    data_bytes: usize,
+    filter: dnn::cudnnConvolutionBwdFilterAlgo_t,
+    filter_bytes: usize,
+}
+
+/// A layer type's module on one device: every kernel it lists, by name.
+struct Kernels(HashMap<&'static str, CudaFunction>);
+
+/// A CUDA GPU. Create with [`Cuda::new`]; pass to a layer's operations like [`crate::Cpu`].
+pub struct Cuda {
+    ctx: Arc<CudaContext>,
+    stream: Arc<CudaStream>,
+    handle: Handle,
+    arch: String,
+    name: String,
+    workspace: Option<CudaSlice<u8>>,
+    modules: HashMap<usize, Arc<Kernels>>,
+    algorithms: HashMap<(usize, usize), Algorithms>,
+}
+
+impl std::fmt::Debug for Cuda {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Cuda")
+            .field("ordinal", &self.ctx.ordinal())
+            .field("name", &self.name)
+            .field("arch", &self.arch)
+            .finish()
+    }
+}
+
+impl Cuda {
+    /// The GPU with this ordinal: a context, a stream and a cuDNN handle on it. A missing
+    /// driver, no such GPU, or a missing cuDNN is an error naming the call.
+    pub fn new(ordinal: usize) -> Result<Self> {
+        // cudarc panics when it cannot open libcuda: ask first.
+        // SAFETY: only tries to load the library.
+        if !unsafe { drv::is_culib_present() } {
+            return Err(Error::new(
+                "loading the CUDA driver",
+                "libcuda.so was not found (no NVIDIA driver installed)",
+            ));
+        }
+        let count =
+            CudaContext::device_count().map_err(|e| driver("cuInit / cuDeviceGetCount", e))?;
+        if ordinal >= usize::try_from(count).unwrap_or(0) {
+            return Err(Error::new(
+                "cuDeviceGet",
+                format!("GPU {ordinal} requested, {count} present"),
+            ));
+        }
+        let ctx = CudaContext::new(ordinal).map_err(|e| driver("cuDevicePrimaryCtxRetain", e))?;
+        // One stream orders every operation of this device: cudarc's per-buffer events would
+        // only add work.
+        // SAFETY: nothing of this context is used on another stream.
+        unsafe { ctx.disable_event_tracking() };
+        let stream = ctx.new_stream().map_err(|e| driver("cuStreamCreate", e))?;
+        let (major, minor) = ctx
+            .compute_capability()
+            .map_err(|e| driver("cuDeviceGetAttribute (compute capability)", e))?;
+        let name = ctx.name().map_err(|e| driver("cuDeviceGetName", e))?;
+        load_cudnn()?;
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer; the context is current on this thread.
+        cudnn("cudnnCreate", unsafe { dnn::cudnnCreate(&mut raw) })?;
+        let handle = Handle(raw);
+        // SAFETY: a live handle and stream.
+        cudnn("cudnnSetStream", unsafe {
+            dnn::cudnnSetStream(handle.0, stream.cu_stream() as dnn::cudaStream_t)
+        })?;
+        Ok(Self {
+            ctx,
+            stream,
+            handle,
+            arch: format!("sm_{major}{minor}"),
+            name,
+            workspace: None,
+            modules: HashMap::new(),
+            algorithms: HashMap::new(),
+        })
+    }
+
+    /// The architecture kernels are compiled for, e.g. `"sm_90"`.
+    pub fn arch(&self) -> &str {
+        &self.arch
+    }
+
+    /// The GPU's name.
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Waits for everything queued on the device.
+    pub fn synchronize(&self) -> Result<()> {
+        self.stream
+            .synchronize()
+            .map_err(|e| driver("cuStreamSynchronize", e))
+    }
+
+    /// Starts an operation of the layer type `setup` (generated code calls this).
+    #[doc(hidden)]
+    pub fn __session(&mut self, setup: &'static LayerSetup) -> Result<Session<'_>> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        let kernels = match self.modules.get(&setup.id()) {
+            Some(k) => k.clone(),
+            None => {
+                let cubin = setup.cubin(&self.arch)?;
+                let module: Arc<CudaModule> = self
+                    .ctx
+                    .load_module(Ptx::from_binary(cubin.as_ref().clone()))
+                    .map_err(|e| driver("cuModuleLoadData", e))?;
+                let mut map = HashMap::new();
+                for &name in setup.kernels {
+                    let f = module
+                        .load_function(name)
+                        .map_err(|e| driver(&format!("cuModuleGetFunction({name})"), e))?;
+                    map.insert(name, f);
+                }
+                let k = Arc::new(Kernels(map));
+                self.modules.insert(setup.id(), k.clone());
+                k
+            }
+        };
+        Ok(Session {
+            dev: self,
+            setup,
+            kernels,
+        })
+    }
+
+    fn algorithms(
+        &mut self,
+        setup: &'static LayerSetup,
+        batch: usize,
+        d: &Descriptors,
+    ) -> Result<Algorithms> {
+        if let Some(a) = self.algorithms.get(&(setup.id(), batch)) {
+            return Ok(*a);
+        }
+        let h = self.handle.0;
+        const N: usize = 16;
+        let mut count: c_int = 0;
+        // SAFETY (all three queries): live handle and descriptors, out-arrays of N entries.
+        let mut fwd: [dnn::cudnnConvolutionFwdAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+        cudnn("cudnnGetConvolutionForwardAlgorithm_v7", unsafe {
+            dnn::cudnnGetConvolutionForwardAlgorithm_v7(
+                h,
+                d.x.0,
+                d.w.0,
+                d.conv.0,
+                d.y.0,
+                N as c_int,
+                &mut count,
+                fwd.as_mut_ptr(),
+            )
+        })?;
+        let forward = fwd[..count.max(0) as usize]
+            .iter()
+            .find(|p| p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
+            .ok_or_else(|| {
+                Error::new(
+                    "cudnnGetConvolutionForwardAlgorithm_v7",
+                    "no algorithm supports the layer",
+                )
+            })?
+            .algo;
+        let mut bwd: [dnn::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+        cudnn("cudnnGetConvolutionBackwardDataAlgorithm_v7", unsafe {
+            dnn::cudnnGetConvolutionBackwardDataAlgorithm_v7(
+                h,
+                d.w.0,
+                d.y.0,
+                d.conv.0,
+                d.x.0,
+                N as c_int,
+                &mut count,
+                bwd.as_mut_ptr(),
+            )
+        })?;
+        let data = bwd[..count.max(0) as usize]
+            .iter()
+            .find(|p| {
+                p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+                    && p.determinism == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC
+            })
+            .ok_or_else(|| {
+                Error::new(
+                    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+                    "no deterministic algorithm supports the layer",
+                )
+            })?
+            .algo;
+        let mut flt: [dnn::cudnnConvolutionBwdFilterAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
+        cudnn("cudnnGetConvolutionBackwardFilterAlgorithm_v7", unsafe {
+            dnn::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
+                h,
+                d.x.0,
+                d.y.0,
+                d.conv.0,
+                d.w.0,
+                N as c_int,
+                &mut count,
+                flt.as_mut_ptr(),
+            )
+        })?;
+        let filter = flt[..count.max(0) as usize]
+            .iter()
+            .find(|p| {
+                p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+                    && p.determinism == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC
+            })
+            .ok_or_else(|| {
+                Error::new(
+                    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+                    "no deterministic algorithm supports the layer",
+                )
+            })?
+            .algo;
+        let (mut forward_bytes, mut data_bytes, mut filter_bytes) = (0usize, 0usize, 0usize);
+        // SAFETY: live handle and descriptors, valid out-pointers.
+        cudnn("cudnnGetConvolutionForwardWorkspaceSize", unsafe {
+            dnn::cudnnGetConvolutionForwardWorkspaceSize(
+                h,
+                d.x.0,
+                d.w.0,
+                d.conv.0,
+                d.y.0,
+                forward,
+                &mut forward_bytes,
+            )
+        })?;
+        cudnn("cudnnGetConvolutionBackwardDataWorkspaceSize", unsafe {
+            dnn::cudnnGetConvolutionBackwardDataWorkspaceSize(
+                h,
+                d.w.0,
+                d.y.0,
+                d.conv.0,
+                d.x.0,
+                data,
+                &mut data_bytes,
+            )
+        })?;
+        cudnn("cudnnGetConvolutionBackwardFilterWorkspaceSize", unsafe {
+            dnn::cudnnGetConvolutionBackwardFilterWorkspaceSize(
+                h,
+                d.x.0,
+                d.y.0,
+                d.conv.0,
+                d.w.0,
+                filter,
+                &mut filter_bytes,
+            )
+        })?;
+        let a = Algorithms {
+            forward,
+            forward_bytes,
+            data,
+            data_bytes,
+            filter,
+            filter_bytes,
+        };
+        self.algorithms.insert((setup.id(), batch), a);
+        Ok(a)
+    }
+
+    /// The workspace, at least `bytes` long: its pointer (0 when none is needed).
+    fn workspace(&mut self, bytes: usize) -> Result<u64> {
+        if bytes == 0 {
+            return Ok(0);
+        }
+        if self.workspace.as_ref().is_none_or(|w| w.len() < bytes) {
+            self.workspace = None;
+            // SAFETY: scratch memory, written by cuDNN before it reads it.
+            let w = unsafe { self.stream.alloc::<u8>(bytes) }
+                .map_err(|e| driver("cuMemAlloc (cuDNN workspace)", e))?;
+            self.workspace = Some(w);
+        }
+        Ok(self
+            .workspace
+            .as_ref()
+            .map_or(0, |w| w.device_ptr(&self.stream).0))
+    }
+}
+
+/// A buffer in GPU memory.
+pub struct Buf {
+    bytes: CudaSlice<u8>,
+    ptr: u64,
+}
+
+/// One kernel argument.
+pub enum Arg<'a> {
+    /// `int`
+    Int(usize),
+    /// `long long`
+    Long(usize),
+    /// A pointer to a buffer.
+    Buf(&'a Buf),
+    /// `nullptr`
+    Null,
+}
+
+/// Blocks for `items` work items of one thread each (the kernels loop over any remainder).
+pub fn blocks_for(items: usize) -> usize {
+    items.div_ceil(THREADS as usize).clamp(1, 65_535)
+}
+
+/// One operation of one layer type on a [`Cuda`] device.
+pub struct Session<'a> {
+    dev: &'a mut Cuda,
+    setup: &'static LayerSetup,
+    kernels: Arc<Kernels>,
+}
+
+impl Session<'_> {
+    /// A buffer of `len` elements of `T`, zeroed.
+    pub fn zeros<T: DeviceElement>(&self, len: usize) -> Result<Buf> {
+        let bytes = self
+            .dev
+            .stream
+            .alloc_zeros::<u8>(len.max(1) * std::mem::size_of::<T>())
+            .map_err(|e| driver("cuMemAlloc", e))?;
+        let ptr = bytes.device_ptr(&self.dev.stream).0;
+        Ok(Buf { bytes, ptr })
+    }
+
+    /// A copy of `host` on the GPU.
+    pub fn upload<T: DeviceElement>(&self, host: &[T]) -> Result<Buf> {
+        if host.is_empty() {
+            return self.zeros::<T>(0);
+        }
+        let bytes = self
+            .dev
+            .stream
+            .clone_htod(as_bytes(host))
+            .map_err(|e| driver("cuMemcpyHtoD", e))?;
+        let ptr = bytes.device_ptr(&self.dev.stream).0;
+        Ok(Buf { bytes, ptr })
+    }
+
+    /// Copies `buf` into `host` (its first `host.len()` elements) and waits for it.
+    pub fn download<T: DeviceElement>(&self, buf: &Buf, host: &mut [T]) -> Result<()> {
+        let host = as_bytes_mut(host);
+        if host.len() > buf.bytes.len() {
+            return Err(Error::new(
+                "cuMemcpyDtoH",
+                "the buffer is smaller than the tensor",
+            ));
+        }
+        let src = buf.bytes.slice(..host.len());
+        self.dev
+            .stream
+            .memcpy_dtoh(&src, host)
+            .map_err(|e| driver("cuMemcpyDtoH", e))?;
+        self.dev.synchronize()
+    }
+
+    /// Launches `kernel` on `blocks` blocks of `THREADS` threads.
+    pub fn launch(&self, kernel: &str, blocks: usize, args: &[Arg<'_>]) -> Result<()> {
+        let f = self.kernels.0.get(kernel).ok_or_else(|| {
+            Error::new(
+                format!("launching {kernel}"),
+                "the layer's module has no such kernel",
+            )
+        })?;
+        let operation = || format!("cuLaunchKernel({kernel})");
+        let ints = args
+            .iter()
+            .map(|a| match a {
+                Arg::Int(n) => i32::try_from(*n)
+                    .map_err(|_| Error::new(operation(), format!("{n} exceeds int"))),
+                _ => Ok(0),
+            })
+            .collect::<Result<Vec<i32>>>()?;
+        let longs = args
+            .iter()
+            .map(|a| match a {
+                Arg::Long(n) => i64::try_from(*n)
+                    .map_err(|_| Error::new(operation(), format!("{n} exceeds long long"))),
+                Arg::Buf(b) => i64::try_from(b.ptr).map_err(|_| Error::new(operation(), "pointer")),
+                _ => Ok(0),
+            })
+            .collect::<Result<Vec<i64>>>()?;
+        let mut builder = self.dev.stream.launch_builder(f);
+        for (i, a) in args.iter().enumerate() {
+            match a {
+                Arg::Int(_) => builder.arg(&ints[i]),
+                // A pointer is passed as its 64-bit value.
+                Arg::Long(_) | Arg::Buf(_) | Arg::Null => builder.arg(&longs[i]),
+            };
+        }
+        let grid = u32::try_from(blocks.max(1)).unwrap_or(u32::MAX);
+        let config = LaunchConfig {
+            grid_dim: (grid, 1, 1),
+            block_dim: (THREADS, 1, 1),
+            shared_mem_bytes: 0,
+        };
+        // SAFETY: the argument list is the kernel's (its comment in conv_macros/kernels), as
+        // the generated recipe writes it; the buffers hold what the kernel indexes.
+        unsafe { builder.launch(config) }
+            .map(|_| ())
+            .map_err(|e| driver(&operation(), e))
+    }
+
+    fn scalars(&self, d: &Descriptors) -> ([u8; 8], [u8; 8], [u8; 8]) {
+        // cuDNN's alpha and beta are doubles for double convolutions, floats otherwise.
+        let s = |v: f64| {
+            let mut b = [0u8; 8];
+            if d.double {
+                b.copy_from_slice(&v.to_ne_bytes());
+            } else {
+                b[..4].copy_from_slice(&(v as f32).to_ne_bytes());
+            }
+            b
+        };
+        (s(0.0), s(1.0), s(0.0))
+    }
+
+    /// `y = conv(x, w) + bias` in cuDNN, `batch` images (accumulator-type buffers).
+    pub fn conv_forward(
+        &mut self,
+        batch: usize,
+        x: &Buf,
+        w: &Buf,
+        bias: &Buf,
+        y: &Buf,
+    ) -> Result<()> {
+        let d = self.setup.descriptors(batch)?;
+        let a = self.dev.algorithms(self.setup, batch, &d)?;
+        let ws = self.dev.workspace(a.forward_bytes)?;
+        let (zero, one, _) = self.scalars(&d);
+        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
+        cudnn("cudnnConvolutionForward", unsafe {
+            dnn::cudnnConvolutionForward(
+                self.dev.handle.0,
+                one.as_ptr().cast(),
+                d.x.0,
+                x.ptr as *const c_void,
+                d.w.0,
+                w.ptr as *const c_void,
+                d.conv.0,
+                a.forward,
+                ws as *mut c_void,
+                a.forward_bytes,
+                zero.as_ptr().cast(),
+                d.y.0,
+                y.ptr as *mut c_void,
+            )
+        })?;
+        // SAFETY: as above; the bias broadcasts over batch and pixels.
+        cudnn("cudnnAddTensor", unsafe {
+            dnn::cudnnAddTensor(
+                self.dev.handle.0,
+                one.as_ptr().cast(),
+                d.bias.0,
+                bias.ptr as *const c_void,
+                one.as_ptr().cast(),
+                d.y.0,
+                y.ptr as *mut c_void,
+            )
+        })
+    }
+
+    /// `dx = conv_transpose(dz, w)` in cuDNN at the training batch (overwrites `dx`).
+    pub fn conv_backward_data(&mut self, batch: usize, w: &Buf, dz: &Buf, dx: &Buf) -> Result<()> {
+        let d = self.setup.descriptors(batch)?;
+        let a = self.dev.algorithms(self.setup, batch, &d)?;
+        let ws = self.dev.workspace(a.data_bytes)?;
+        let (zero, one, _) = self.scalars(&d);
+        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
+        cudnn("cudnnConvolutionBackwardData", unsafe {
+            dnn::cudnnConvolutionBackwardData(
+                self.dev.handle.0,
+                one.as_ptr().cast(),
+                d.w.0,
+                w.ptr as *const c_void,
+                d.y.0,
+                dz.ptr as *const c_void,
+                d.conv.0,
+                a.data,
+                ws as *mut c_void,
+                a.data_bytes,
+                zero.as_ptr().cast(),
+                d.x.0,
+                dx.ptr as *mut c_void,
+            )
+        })
+    }
+
+    /// `dw += weight gradient of (x, dz)` in cuDNN at the training batch.
+    pub fn conv_backward_filter(
+        &mut self,
+        batch: usize,
+        x: &Buf,
+        dz: &Buf,
+        dw: &Buf,
+    ) -> Result<()> {
+        let d = self.setup.descriptors(batch)?;
+        let a = self.dev.algorithms(self.setup, batch, &d)?;
+        let ws = self.dev.workspace(a.filter_bytes)?;
+        let (_, one, _) = self.scalars(&d);
+        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
+        cudnn("cudnnConvolutionBackwardFilter", unsafe {
+            dnn::cudnnConvolutionBackwardFilter(
+                self.dev.handle.0,
+                one.as_ptr().cast(),
+                d.x.0,
+                x.ptr as *const c_void,
+                d.y.0,
+                dz.ptr as *const c_void,
+                d.conv.0,
+                a.filter,
+                ws as *mut c_void,
+                a.filter_bytes,
+                // beta = 1: gradients accumulate.
+                one.as_ptr().cast(),
+                d.w.0,
+                dw.ptr as *mut c_void,
+            )
+        })
+    }
+}
+
+/// The cuDNN library's file name (cuDNN 9).
+const CUDNN_LIBRARY: &str = "libcudnn.so.9";
+
+/// Makes `libcudnn.so.9` loadable by name for cudarc: found by the loader's own search, else
+/// in `$CUDNN_LIB_DIR`, the CUDA toolkit's `lib64`, or pip's `nvidia/cudnn/lib` (the
+/// `nvidia-cudnn-cu13` wheel), where it and its sub-libraries are loaded by path.
+fn load_cudnn() -> Result<()> {
+    static LOADED: OnceLock<std::result::Result<Vec<libloading::Library>, Error>> = OnceLock::new();
+    LOADED
+        .get_or_init(|| {
+            let operation = "loading cuDNN";
+            // SAFETY: only tries to load the library.
+            if unsafe { dnn::is_culib_present() } {
+                return Ok(Vec::new());
+            }
+            let site = nvrtc::python_site_packages();
+            let dirs: Vec<PathBuf> = std::env::var_os("CUDNN_LIB_DIR")
+                .map(PathBuf::from)
+                .into_iter()
+                .chain(
+                    ["CUDA_HOME", "CUDA_PATH"]
+                        .iter()
+                        .filter_map(std::env::var_os)
+                        .map(|h| PathBuf::from(h).join("lib64")),
+                )
+                .chain([PathBuf::from("/usr/local/cuda/lib64")])
+                .chain(site.iter().flat_map(|s| [s.join("nvidia/cudnn/lib"), s.join("nvidia/cu13/lib")]))
+                .collect();
+            let dir = dirs
+                .iter()
+                .find(|d| d.join(CUDNN_LIBRARY).is_file())
+                .ok_or_else(|| {
+                    Error::new(
+                        operation,
+                        format!(
+                            "{CUDNN_LIBRARY} was not found: set CUDNN_LIB_DIR or LD_LIBRARY_PATH to \
+                             its directory (`pip install nvidia-cudnn-cu13` puts it in \
+                             site-packages/nvidia/cudnn/lib)"
+                        ),
+                    )
+                })?;
+            let libraries = preload_cudnn(dir).map_err(|reason| Error::new(operation, reason))?;
+            // SAFETY: as above.
+            if !unsafe { dnn::is_culib_present() } {
+                return Err(Error::new(
+                    operation,
+                    format!("{CUDNN_LIBRARY} was loaded from {} but cannot be opened by name", dir.display()),
+                ));
+            }
+            Ok(libraries)
+        })
+        .as_ref()
+        .map(|_| ())
+        .map_err(Clone::clone)
+}
+
+/// Loads cuDNN's sub-libraries (which it opens by name later) and then cuDNN from `dir`.
+/// Sub-libraries that need another one first are retried after it.
+fn preload_cudnn(dir: &Path) -> std::result::Result<Vec<libloading::Library>, String> {
+    let entries = std::fs::read_dir(dir).map_err(|e| format!("{}: {e}", dir.display()))?;
+    let mut pending: Vec<PathBuf> = entries
+        .filter_map(|entry| entry.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .and_then(|n| n.to_str())
+                .is_some_and(|n| n.starts_with("libcudnn_") && n.ends_with(".so.9"))
+        })
+        .collect();
+    let mut loaded = Vec::new();
+    while !pending.is_empty() {
+        let before = pending.len();
+        pending.retain(|path| {
+            // SAFETY: NVIDIA's libraries, whose initializers have no preconditions.
+            match unsafe { libloading::Library::new(path) } {
+                Ok(lib) => {
+                    loaded.push(lib);
+                    false
+                }
+                Err(_) => true,
+            }
+        });
+        if pending.len() == before {
+            break;
+        }
+    }
+    let main = dir.join(CUDNN_LIBRARY);
+    // SAFETY: as above.
+    let lib = unsafe { libloading::Library::new(&main) }
+        .map_err(|e| format!("{}: {e}", main.display()))?;
+    loaded.push(lib);
+    Ok(loaded)
+}

@@ -1,0 +1,476 @@
+//! The CUDA device against the generated CPU code: every generated spec (in its own element
+//! type), with and without a norm, through every operation, must agree within the element
+//! type's tolerance; extra specs large enough for cuDNN (f32, f64, f16, bf16) and small
+//! half-precision ones cover both convolution paths; and the synthetic training task of
+//! tests/training.rs trains on the GPU.
+//!
+//! Needs the `cuda` feature. Without a GPU (no driver, no device, no cuDNN) every test prints
+//! one "skipped: no GPU (reason)" line and passes, unless `CONV2D_REQUIRE_GPU=1` is set, where
+//! a missing GPU fails every test (scripts/gpu-check.sh sets it).
+#![cfg(feature = "cuda")]
+
+#[macro_use]
+mod common;
+
+use std::io::Write;
+use std::sync::Once;
+
+use common::{assert_close, to_f64};
+use conv_runtime::prelude::*;
+
+/// The GPU, or `None` after saying why the test is skipped.
+fn gpu() -> Option<Cuda> {
+    static SKIP: Once = Once::new();
+    match Cuda::new(0) {
+        Ok(gpu) => Some(gpu),
+        Err(e) => {
+            if std::env::var("CONV2D_REQUIRE_GPU").is_ok_and(|v| v == "1") {
+                panic!("CONV2D_REQUIRE_GPU=1 but there is no usable GPU: {e}");
+            }
+            // Straight to stderr: the test harness would capture `eprintln!` of a passing test.
+            SKIP.call_once(|| {
+                let _ = writeln!(std::io::stderr(), "skipped: no GPU ({e})");
+            });
+            None
+        }
+    }
+}
+
+/// Relative tolerance (see `common::rel_err`) between the devices for element type `T`:
+/// summation orders differ; half types round the same f32 values on either side of a tie.
+fn tolerance<T>() -> f64 {
+    match std::mem::size_of::<T>() {
+        8 => 1e-9,
+        4 => 1e-4,
+        _ => 3e-2,
+    }
+}
+
+/// Both devices' results of one operation, compared by name.
+fn same<E: Element>(what: &str, cpu: &[E], gpu: &[E], tolerance: f64) {
+    assert_close(what, &to_f64(gpu), &to_f64(cpu), tolerance);
+}
+
+/// `equivalence!(name, key: value, ..)`: the spec without a norm, with BatchNorm and with
+/// LayerNorm, each on both devices.
+macro_rules! equivalence {
+    (
+        $name:ident,
+        input: [$ih:literal, $iw:literal, $ic:literal],
+        out_channels: $oc:literal,
+        kernel: $kernel:tt
+        $(, stride: $stride:tt)?
+        $(, padding: $padding:tt)?
+        $(, activation: $activation:ident)?
+        $(, batch: $batch:literal)?
+        $(, dtype: $dtype:ident)?
+        $(,)?
+    ) => {
+        mod $name {
+            equivalence!(@norm plain, None, [$ih, $iw, $ic], $oc, $kernel
+                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
+            equivalence!(@norm batch_norm, BatchNorm { momentum: 0.3, eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
+                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
+            equivalence!(@norm layer_norm, LayerNorm { eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
+                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
+        }
+    };
+    (@norm $module:ident, $norm:ident $({ $($norm_args:tt)* })?, [$ih:literal, $iw:literal, $ic:literal], $oc:literal, $kernel:tt
+        $(, stride: $stride:tt)? $(, padding: $padding:tt)? $(, activation: $activation:ident)? $(, batch: $batch:literal)? $(, dtype: $dtype:ident)?) => {
+        pub mod $module {
+            use crate::common::{convert, SplitMix64};
+            use crate::{gpu, same, tolerance};
+            use conv_runtime::prelude::*;
+
+            conv_runtime::conv2d! {
+                pub struct Layer {
+                    input: [$ih, $iw, $ic],
+                    out_channels: $oc,
+                    kernel: $kernel,
+                    $(stride: $stride,)?
+                    $(padding: $padding,)?
+                    $(activation: $activation,)?
+                    norm: $norm $({ $($norm_args)* })?,
+                    $(batch: $batch,)?
+                    $(dtype: $dtype,)?
+                }
+            }
+
+            type T = <Layer as Parameters>::Elem;
+            type Input = Tensor<T, { Layer::BATCH_SIZE }, $ih, $iw, $ic>;
+            type Output = Tensor<
+                T,
+                { Layer::BATCH_SIZE },
+                { Layer::OUTPUT_HEIGHT },
+                { Layer::OUTPUT_WIDTH },
+                $oc,
+            >;
+
+            #[test]
+            fn every_operation_matches_the_cpu() {
+                let Some(mut cuda) = gpu() else { return };
+                let tol = tolerance::<T>();
+                let mut data = SplitMix64::new(0x0c0d_a000 + $ih * 1000 + $oc);
+                let layer = Layer::new(&mut Rng::seed_from_u64(5));
+                let x = Input::from_vec(convert(&data.values(Input::LEN))).unwrap();
+                let d_output = Output::from_vec(convert(&data.values(Output::LEN))).unwrap();
+                let mut cpu = Cpu::default();
+
+                // Inference at the spec's batch and at batch 3.
+                let (mut y_cpu, mut y_gpu) = (Output::zeros(), Output::zeros());
+                layer.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
+                layer.evaluate(&mut cuda, &x, &mut y_gpu).unwrap();
+                same("evaluate", y_cpu.as_slice(), y_gpu.as_slice(), tol);
+                let x3 = Tensor::<T, 3, $ih, $iw, $ic>::from_vec(convert(&data.values(3 * $ih * $iw * $ic))).unwrap();
+                let mut y3_cpu = Tensor::<T, 3, { Layer::OUTPUT_HEIGHT }, { Layer::OUTPUT_WIDTH }, $oc>::zeros();
+                let mut y3_gpu = y3_cpu.clone();
+                layer.evaluate(&mut cpu, &x3, &mut y3_cpu).unwrap();
+                layer.evaluate(&mut cuda, &x3, &mut y3_gpu).unwrap();
+                same("evaluate, batch 3", y3_cpu.as_slice(), y3_gpu.as_slice(), tol);
+
+                for mode in [Mode::Train, Mode::Eval] {
+                    let (mut l_cpu, mut l_gpu) = (layer.clone(), layer.clone());
+                    let (mut s_cpu, mut s_gpu) = (LayerState::new(), LayerState::new());
+                    l_cpu.forward(&mut cpu, &x, &mut s_cpu, mode).unwrap();
+                    l_gpu.forward(&mut cuda, &x, &mut s_gpu, mode).unwrap();
+                    same("forward", s_cpu.output().as_slice(), s_gpu.output().as_slice(), tol);
+                    same("forward pre-activation", s_cpu.pre_activation().as_slice(), s_gpu.pre_activation().as_slice(), tol);
+                    assert!(l_cpu.abs_diff(&l_gpu) < 1e-3, "running statistics differ");
+
+                    let (mut dx_cpu, mut dx_gpu) = (Input::zeros(), Input::zeros());
+                    let (mut g_cpu, mut g_gpu) = (LayerGrads::zeros(), LayerGrads::zeros());
+                    l_cpu.backward_full(&mut cpu, &s_cpu, &x, &d_output, &mut dx_cpu, &mut g_cpu, mode).unwrap();
+                    l_gpu.backward_full(&mut cuda, &s_gpu, &x, &d_output, &mut dx_gpu, &mut g_gpu, mode).unwrap();
+                    same("backward_full d_input", dx_cpu.as_slice(), dx_gpu.as_slice(), tol);
+                    same("backward_full d_weights", g_cpu.weights.as_slice(), g_gpu.weights.as_slice(), tol);
+                    same("backward_full d_biases", g_cpu.biases.as_slice(), g_gpu.biases.as_slice(), tol);
+                    // Every parameter's gradient, gamma and beta included.
+                    let grads_of = |g: &LayerGrads| {
+                        let mut all = Vec::new();
+                        layer.clone().visit_mut(g, &mut |name, _, grad| all.push((name.to_string(), grad.to_vec())));
+                        all
+                    };
+                    for ((name, c), (_, g)) in grads_of(&g_cpu).iter().zip(&grads_of(&g_gpu)) {
+                        same(&format!("backward_full d_{name}"), c, g, tol);
+                    }
+
+                    // The split passes equal the fused one; `backward` accumulates.
+                    let mut dx_split = Input::from_fn(|_| <T as Element>::from_f64(f64::NAN));
+                    l_gpu.backward_input(&mut cuda, &s_gpu, &d_output, &mut dx_split, mode).unwrap();
+                    same("backward_input", dx_gpu.as_slice(), dx_split.as_slice(), tol);
+                    l_gpu.backward(&mut cuda, &s_gpu, &x, &d_output, &mut g_gpu, mode).unwrap();
+                    let twice: Vec<_> = g_cpu.weights.as_slice().iter().map(|g| 2.0 * g).collect();
+                    same("backward accumulates", &twice, g_gpu.weights.as_slice(), tol);
+                }
+            }
+        }
+    };
+}
+
+for_each_spec!(equivalence);
+
+// Large enough for cuDNN (forward FLOPs above 2^24 with wide GEMM dimensions), in every element
+// type, and small half-precision layers on the direct kernels.
+equivalence!(cudnn_f32, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+    activation: Relu, batch: 4, dtype: f32);
+equivalence!(cudnn_f32_stride2, input: [32, 32, 16], out_channels: 32, kernel: 3, stride: 2,
+    padding: 1, activation: Gelu, batch: 8, dtype: f32);
+equivalence!(cudnn_f64, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+    activation: Tanh, batch: 4, dtype: f64);
+equivalence!(cudnn_f16, input: [16, 16, 32], out_channels: 32, kernel: [3, 2], padding: [1, 0],
+    activation: Sigmoid, batch: 8, dtype: f16);
+equivalence!(cudnn_bf16, input: [16, 16, 32], out_channels: 32, kernel: 3, stride: [1, 2],
+    padding: 1, activation: FastTanh, batch: 8, dtype: bf16);
+equivalence!(direct_f16, input: [8, 9, 4], out_channels: 8, kernel: 3, stride: 2, padding: 1,
+    activation: Relu, batch: 2, dtype: f16);
+equivalence!(direct_bf16, input: [7, 7, 3], out_channels: 5, kernel: [2, 3], padding: [0, 1],
+    activation: Gelu, batch: 3, dtype: bf16);
+
+/// The rule of `conv_macros::expand::cuda` sends the small specs to the direct kernels and the
+/// large ones to cuDNN: both paths are exercised above (checked at compile time).
+const _: () = {
+    assert!(defaults::plain::Layer::__CUDA_DIRECT);
+    assert!(atari_conv1::batch_norm::Layer::__CUDA_DIRECT);
+    assert!(direct_f16::layer_norm::Layer::__CUDA_DIRECT);
+    assert!(direct_bf16::plain::Layer::__CUDA_DIRECT);
+    assert!(
+        !cudnn_f32::plain::Layer::__CUDA_DIRECT,
+        "cudnn_f32 is direct"
+    );
+    assert!(
+        !cudnn_f32_stride2::batch_norm::Layer::__CUDA_DIRECT,
+        "cudnn_f32_stride2 is direct"
+    );
+    assert!(
+        !cudnn_f64::layer_norm::Layer::__CUDA_DIRECT,
+        "cudnn_f64 is direct"
+    );
+    assert!(
+        !cudnn_f16::plain::Layer::__CUDA_DIRECT,
+        "cudnn_f16 is direct"
+    );
+    assert!(
+        !cudnn_bf16::batch_norm::Layer::__CUDA_DIRECT,
+        "cudnn_bf16 is direct"
+    );
+};
+
+/// A device is an error, never a panic, when there is none; with one, the architecture is the
+/// GPU's own.
+#[test]
+fn device_reports_itself() {
+    let Some(cuda) = gpu() else { return };
+    assert!(cuda.arch().starts_with("sm_"), "{}", cuda.arch());
+    let _ = writeln!(std::io::stderr(), "GPU: {} ({})", cuda.name(), cuda.arch());
+    assert!(Cuda::new(10_000).is_err());
+}
+
+/// tests/training.rs's synthetic task (which quadrant of a noisy 16x16 image holds a bright 3x3
+/// blob) with both convolutions on the GPU: conv1 (ReLU) -> conv2 (BatchNorm, ReLU) -> a linear
+/// read-out on the host, Adam, minibatches of 32, 6 epochs; >= 95% held-out accuracy through
+/// `evaluate`, and two runs with the same seed bit-identical (every GPU reduction has a fixed
+/// order).
+mod training {
+    use super::gpu;
+    use conv_runtime::prelude::*;
+
+    const SIDE: usize = 16;
+    const PIXELS: usize = SIDE * SIDE;
+    const CLASSES: usize = 4;
+    const FEATURES: usize = 4 * 4 * 16;
+    const BATCH: usize = 32;
+    const TRAIN: usize = 1024;
+    const TEST: usize = 512;
+    const EPOCHS: usize = 6;
+
+    conv_runtime::conv2d! {
+        pub struct Conv1 {
+            input: [16, 16, 1], out_channels: 8, kernel: 3, stride: 2, padding: 1,
+            activation: Relu, batch: 32,
+        }
+    }
+
+    conv_runtime::conv2d! {
+        pub struct Conv2 {
+            input: [8, 8, 8], out_channels: 16, kernel: 3, stride: 2, padding: 1,
+            activation: Relu, norm: BatchNorm { momentum: 0.1, eps: 1e-5 }, batch: 32,
+        }
+    }
+
+    fn dataset(n: usize, rng: &mut Rng) -> (Vec<f32>, Vec<usize>) {
+        let mut images = vec![0.0f32; n * PIXELS];
+        let mut labels = Vec::with_capacity(n);
+        for image in images.chunks_exact_mut(PIXELS) {
+            for p in image.iter_mut() {
+                *p = (0.5 * rng.normal()) as f32;
+            }
+            let quadrant = (rng.uniform(0.0, 4.0) as usize).min(3);
+            let half = SIDE / 2;
+            let top = (quadrant / 2) * half
+                + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
+            let left = (quadrant % 2) * half
+                + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
+            for r in top..top + 3 {
+                for c in left..left + 3 {
+                    image[r * SIDE + c] += 1.0;
+                }
+            }
+            labels.push(quadrant);
+        }
+        (images, labels)
+    }
+
+    struct Readout {
+        w: Vector<f32, { CLASSES * FEATURES }>,
+        b: Vector<f32, CLASSES>,
+    }
+
+    impl Parameters for Readout {
+        type Elem = f32;
+        type Grads = Readout;
+
+        fn visit_mut(
+            &mut self,
+            grads: &Readout,
+            f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>, &[f32]),
+        ) {
+            f("w", &mut self.w, grads.w.as_slice());
+            f("b", &mut self.b, grads.b.as_slice());
+        }
+
+        fn visit(&self, f: &mut dyn FnMut(&str, &[f32])) {
+            f("w", self.w.as_slice());
+            f("b", self.b.as_slice());
+        }
+
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>)) {
+            f("w", &mut self.w);
+            f("b", &mut self.b);
+        }
+    }
+
+    impl Readout {
+        fn logits(&self, h: &[f32]) -> Vec<[f32; CLASSES]> {
+            let w = self.w.as_slice();
+            h.chunks_exact(FEATURES)
+                .map(|h| {
+                    let mut z = [0.0f32; CLASSES];
+                    for (k, z) in z.iter_mut().enumerate() {
+                        let row = &w[k * FEATURES..(k + 1) * FEATURES];
+                        *z = self.b.as_slice()[k]
+                            + row.iter().zip(h).map(|(a, b)| a * b).sum::<f32>();
+                    }
+                    z
+                })
+                .collect()
+        }
+
+        /// Mean softmax cross-entropy; adds the read-out's gradients into `grads`, writes the
+        /// gradient at `h` into `d_h`.
+        fn loss_and_backward(
+            &self,
+            h: &[f32],
+            labels: &[usize],
+            grads: &mut Readout,
+            d_h: &mut [f32],
+        ) -> f32 {
+            let n = labels.len() as f32;
+            let w = self.w.as_slice();
+            let mut loss = 0.0f32;
+            for (i, (z, &label)) in self.logits(h).iter().zip(labels).enumerate() {
+                let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
+                let exp: Vec<f32> = z.iter().map(|&v| (v - max).exp()).collect();
+                let sum: f32 = exp.iter().sum();
+                loss += sum.ln() + max - z[label];
+                let h_i = &h[i * FEATURES..(i + 1) * FEATURES];
+                let d_h_i = &mut d_h[i * FEATURES..(i + 1) * FEATURES];
+                d_h_i.fill(0.0);
+                for k in 0..CLASSES {
+                    let d_z = (exp[k] / sum - if k == label { 1.0 } else { 0.0 }) / n;
+                    grads.b.as_mut_slice()[k] += d_z;
+                    let d_w = &mut grads.w.as_mut_slice()[k * FEATURES..(k + 1) * FEATURES];
+                    for j in 0..FEATURES {
+                        d_w[j] += d_z * h_i[j];
+                        d_h_i[j] += d_z * w[k * FEATURES + j];
+                    }
+                }
+            }
+            loss / n
+        }
+    }
+
+    /// Epoch losses and held-out accuracy of one run.
+    fn run(cuda: &mut Cuda, seed: u64) -> (Vec<f32>, f64) {
+        let mut rng = Rng::seed_from_u64(seed);
+        let (train_x, train_y) = dataset(TRAIN, &mut rng);
+        let (test_x, test_y) = dataset(TEST, &mut rng);
+        let mut conv1 = Conv1::new(&mut rng);
+        let mut conv2 = Conv2::new(&mut rng);
+        let bound = 1.0 / (FEATURES as f64).sqrt();
+        let mut readout = Readout {
+            w: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
+            b: Vector::zeros(),
+        };
+        let (mut adam1, mut adam2, mut adam3) = (Adam::new(1e-2), Adam::new(1e-2), Adam::new(1e-2));
+        let (mut g1, mut g2) = (Conv1Grads::zeros(), Conv2Grads::zeros());
+        let mut g3 = Readout {
+            w: Vector::zeros(),
+            b: Vector::zeros(),
+        };
+        let (mut s1, mut s2) = (Conv1State::new(), Conv2State::new());
+        let mut x = Tensor::<f32, BATCH, 16, 16, 1>::zeros();
+        let mut d_out2 = Tensor::<f32, BATCH, 4, 4, 16>::zeros();
+        let mut d_out1 = Tensor::<f32, BATCH, 8, 8, 8>::zeros();
+        let mut d_h = vec![0.0f32; BATCH * FEATURES];
+        let mut labels = vec![0usize; BATCH];
+        let mut order: Vec<usize> = (0..TRAIN).collect();
+        let mut losses = Vec::new();
+        for _ in 0..EPOCHS {
+            for i in (1..TRAIN).rev() {
+                let j = (rng.uniform(0.0, (i + 1) as f64) as usize).min(i);
+                order.swap(i, j);
+            }
+            let mut epoch = 0.0f32;
+            for batch in order.chunks_exact(BATCH) {
+                for (b, &i) in batch.iter().enumerate() {
+                    x.as_mut_slice()[b * PIXELS..(b + 1) * PIXELS]
+                        .copy_from_slice(&train_x[i * PIXELS..(i + 1) * PIXELS]);
+                    labels[b] = train_y[i];
+                }
+                conv1.forward(cuda, &x, &mut s1, Mode::Train).unwrap();
+                conv2
+                    .forward(cuda, s1.output(), &mut s2, Mode::Train)
+                    .unwrap();
+                let loss =
+                    readout.loss_and_backward(s2.output().as_slice(), &labels, &mut g3, &mut d_h);
+                assert!(loss.is_finite(), "loss {loss}");
+                d_out2.as_mut_slice().copy_from_slice(&d_h);
+                conv2
+                    .backward_full(
+                        cuda,
+                        &s2,
+                        s1.output(),
+                        &d_out2,
+                        &mut d_out1,
+                        &mut g2,
+                        Mode::Train,
+                    )
+                    .unwrap();
+                conv1
+                    .backward(cuda, &s1, &x, &d_out1, &mut g1, Mode::Train)
+                    .unwrap();
+                adam1.step(&mut conv1, &g1);
+                adam2.step(&mut conv2, &g2);
+                adam3.step(&mut readout, &g3);
+                g1.zero();
+                g2.zero();
+                g3 = Readout {
+                    w: Vector::zeros(),
+                    b: Vector::zeros(),
+                };
+                epoch += loss;
+            }
+            losses.push(epoch / (TRAIN / BATCH) as f32);
+        }
+        let x_test = Tensor::<f32, TEST, 16, 16, 1>::from_vec(test_x).unwrap();
+        let mut y1 = Tensor::<f32, TEST, 8, 8, 8>::zeros();
+        let mut y2 = Tensor::<f32, TEST, 4, 4, 16>::zeros();
+        conv1.evaluate(cuda, &x_test, &mut y1).unwrap();
+        conv2.evaluate(cuda, &y1, &mut y2).unwrap();
+        let argmax = |z: &[f32; CLASSES]| {
+            (0..CLASSES).fold(0, |best, k| if z[k] > z[best] { k } else { best })
+        };
+        let correct = readout
+            .logits(y2.as_slice())
+            .iter()
+            .zip(&test_y)
+            .filter(|(z, &label)| argmax(z) == label)
+            .count();
+        (losses, correct as f64 / TEST as f64)
+    }
+
+    #[test]
+    fn quadrant_task_trains_on_the_gpu() {
+        let Some(mut cuda) = gpu() else { return };
+        let start = std::time::Instant::now();
+        let (losses, accuracy) = run(&mut cuda, 7);
+        eprintln!(
+            "GPU training: losses {losses:?}, test accuracy {accuracy} in {:.2?}",
+            start.elapsed()
+        );
+        assert!(
+            losses.last().unwrap() < &(0.25 * losses[0]),
+            "the loss did not fall: {losses:?}"
+        );
+        assert!(
+            accuracy >= 0.95,
+            "test accuracy {accuracy} < 95% (losses {losses:?})"
+        );
+        let (again, _) = run(&mut cuda, 7);
+        assert_eq!(
+            losses.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            again.iter().map(|l| l.to_bits()).collect::<Vec<_>>(),
+            "two GPU runs with the same seed differ"
+        );
+    }
+}
