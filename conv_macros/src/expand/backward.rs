@@ -41,7 +41,7 @@ fn data_kernel(spec: &Spec) -> TokenStream {
     let segment = spec.kernel[1] * spec.in_c();
     let blk = Blocking::new(spec.dtype, segment);
     let l = blk.lanes;
-    let calls = blk.calls("data_tile", |tile, first| {
+    let calls = blk.calls("data_tile", false, |tile, first| {
         quote! {
             let dsts: [*mut __A; DP] = ::core::array::from_fn(|p| rows[p].add(#first));
             #tile::<S>(&dzs, w.add(kh * OC * SEGP + OC * #first), &dsts);
@@ -164,7 +164,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let rt = rt();
     let blk = Blocking::new(spec.dtype, spec.out_channels);
     let l = blk.lanes;
-    let calls = blk.calls("weight_tile", |tile, first| {
+    let calls = blk.calls("weight_tile", false, |tile, first| {
         quote! {
             let dsts: [*mut __A; P] = ::core::array::from_fn(|i| rows[i].add(#first));
             #tile::<S>(x, &xoff[..count], &offs, dz.add(q0 * OC + #first), &dsts);

@@ -148,7 +148,7 @@ fn stage_fn(spec: &Spec) -> TokenStream {
 fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let rt = rt();
     let layer = &spec.ident;
-    let block_calls = blk.calls("tile", |tile, first| {
+    let block_calls = blk.calls("tile", true, |tile, first| {
         quote! {
             #tile::<S, RELU>(&xs, w.add(WINDOW * #first), w.add(BIAS_OFFSET + #first), out.add(#first));
         }
