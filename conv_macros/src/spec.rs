@@ -55,6 +55,11 @@ impl Dtype {
         ("bf16", Dtype::Bf16),
     ];
 
+    /// Stored in a half type and computed in f32.
+    pub fn is_half(self) -> bool {
+        matches!(self, Dtype::F16 | Dtype::Bf16)
+    }
+
     /// Lanes of one vector register (256 bits) of the accumulator type.
     pub fn lanes(self) -> usize {
         match self {

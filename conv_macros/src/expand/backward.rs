@@ -194,7 +194,6 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
             let (i, off) = (lit(i), lit(v * l));
             quote!(#acc.store(dsts[#i].add(#off));)
         });
-        let _ = last;
         quote! {
             /// Adds `x[pixel + offs[i]] * dz[pixel]` over the chunk's pixels into `P` rows.
             #[inline(always)]
@@ -275,7 +274,7 @@ fn backward_pass(spec: &Spec) -> TokenStream {
     } else {
         quote!(let xa: &[__A] = x;)
     };
-    let store = if super::cpu::is_half(spec) {
+    let store = if spec.dtype.is_half() {
         quote!(<__T as #rt::Element>::from_acc_slice(src, dst))
     } else {
         quote!(dst.copy_from_slice(src))

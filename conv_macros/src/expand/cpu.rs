@@ -17,8 +17,8 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{acc, backward, elem, lit, norm, onednn, rt};
-use crate::spec::{Activation, Dtype, Norm, Spec};
+use super::{acc, backward, elem, lit, norm, onednn, rt, usize_consts};
+use crate::spec::{Activation, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
 pub fn activation_type(a: Activation) -> TokenStream {
@@ -27,13 +27,9 @@ pub fn activation_type(a: Activation) -> TokenStream {
     quote!(#rt::activation::#name)
 }
 
-pub fn is_half(spec: &Spec) -> bool {
-    matches!(spec.dtype, Dtype::F16 | Dtype::Bf16)
-}
-
 /// Whether the kernels read the input from an accumulator-typed, zero-bordered copy.
 pub fn staged(spec: &Spec) -> bool {
-    spec.has_padding() || is_half(spec)
+    spec.has_padding() || spec.dtype.is_half()
 }
 
 /// Layout identifiers of packed copies: different layers whose weights share a stamp (clones)
@@ -109,11 +105,7 @@ fn constants(spec: &Spec, blk: &Blocking) -> TokenStream {
         ("BIAS_OFFSET", window * blk.padded()),
         ("PACKED_LEN", window * blk.padded() + blk.padded()),
     ];
-    let items = pairs.iter().map(|(name, value)| {
-        let (name, value) = (format_ident!("{}", name), lit(*value));
-        quote!(#[allow(dead_code)] const #name: usize = #value;)
-    });
-    quote!(#(#items)*)
+    usize_consts(&pairs)
 }
 
 /// `stage(x, xa)`: the input in the accumulator type with a zero border, where the kernels
@@ -329,7 +321,7 @@ fn forward_tile(spec: &Spec, blk: &Blocking, nv: usize, last_lanes: usize) -> To
 /// The `Cpu` device's implementation of the layer's operations.
 fn operations(spec: &Spec) -> TokenStream {
     let rt = rt();
-    let half = is_half(spec);
+    let half = spec.dtype.is_half();
     let act = activation_type(spec.activation);
     let apply = quote!(#rt::activation::apply::<#act, _>);
     let f = quote!(<#act as #rt::Activation>::f);

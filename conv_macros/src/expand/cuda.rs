@@ -62,7 +62,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::{acc, elem, lit, rt, Names};
+use super::{acc, elem, lit, rt, usize_consts, Names};
 use crate::spec::{Dtype, Norm, Spec};
 
 /// Forward FLOPs up to which the direct kernels run the convolutions.
@@ -235,7 +235,7 @@ struct Plan {
 impl Plan {
     fn of(spec: &Spec) -> Self {
         let direct = direct(spec);
-        let half = matches!(spec.dtype, Dtype::F16 | Dtype::Bf16);
+        let half = spec.dtype.is_half();
         let rows = spec.batch * spec.out_h() * spec.out_w();
         let mut files = vec![COMMON];
         match spec.norm {
@@ -356,7 +356,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     } = Names::of(spec);
     let t = elem(spec.dtype);
     let a = acc(spec.dtype);
-    let half = matches!(spec.dtype, Dtype::F16 | Dtype::Bf16);
+    let half = spec.dtype.is_half();
     let direct = plan.direct;
     let consts = [
         ("BATCH", spec.batch),
@@ -375,12 +375,8 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
             plan.weights
                 .map_or(0, |w| w.count * spec.out_channels * spec.fan_in()),
         ),
-    ]
-    .map(|(name, value)| {
-        let name = quote::format_ident!("{}", name);
-        let value = lit(value);
-        quote!(#[allow(dead_code)] const #name: usize = #value;)
-    });
+    ];
+    let consts = usize_consts(&consts);
     let geometry = if direct {
         quote!(::core::option::Option::None)
     } else {
@@ -599,7 +595,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 use #rt::cuda::{blocks_for, Arg, Buf, Session};
                 type __T = #t;
                 type __A = #a;
-                #(#consts)*
+                #consts
 
                 static SETUP: #rt::cuda::LayerSetup = #rt::cuda::LayerSetup::new(
                     #layer::__CUDA_SOURCE,

@@ -115,6 +115,16 @@ fn lit(n: usize) -> Literal {
     Literal::usize_unsuffixed(n)
 }
 
+/// `const NAME: usize = value;` for each pair: the spec's numbers as constants of a generated
+/// block (not every block uses every one).
+fn usize_consts(pairs: &[(&str, usize)]) -> TokenStream {
+    let items = pairs.iter().map(|(name, value)| {
+        let (name, value) = (format_ident!("{}", name), lit(*value));
+        quote!(#[allow(dead_code)] const #name: usize = #value;)
+    });
+    quote!(#(#items)*)
+}
+
 /// The names of the items one spec defines.
 struct Names {
     layer: syn::Ident,

@@ -8,7 +8,7 @@
 use proc_macro2::TokenStream;
 use quote::quote;
 
-use super::cpu::{activation_type, is_half};
+use super::cpu::activation_type;
 use super::{rt, Names};
 use crate::spec::{Norm, Spec};
 
@@ -31,7 +31,7 @@ fn forward(spec: &Spec) -> TokenStream {
     let f = quote!(<#act as #rt::Activation>::f);
     let to_acc = quote!(<__T as #rt::Element>::to_acc);
     let from_acc = quote!(<__T as #rt::Element>::from_acc);
-    let conv_to_state = if is_half(spec) {
+    let conv_to_state = if spec.dtype.is_half() {
         quote! {
             let z = state.conv.as_mut_slice();
             conv::<BATCH, false>(cpu, layer, x, ::core::option::Option::None, &mut |ya, q0, n| {
