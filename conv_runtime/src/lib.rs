@@ -90,6 +90,8 @@ pub use cuda::Cuda;
 /// Everything a user of generated layers needs in scope.
 pub mod prelude {
     #[cfg(feature = "cuda")]
+    pub use crate::cuda::{CudaParameters, CudaTensor, CudaVector};
+    #[cfg(feature = "cuda")]
     pub use crate::Cuda;
     #[cfg(feature = "onednn")]
     pub use crate::OneDnn;

@@ -103,6 +103,8 @@ pub struct Sgd<A: Real> {
     /// Nesterov momentum.
     pub nesterov: bool,
     state: State<A>,
+    #[cfg(feature = "cuda")]
+    device: crate::cuda::optim::DeviceState,
 }
 
 impl<A: Real> Sgd<A> {
@@ -115,6 +117,8 @@ impl<A: Real> Sgd<A> {
             weight_decay: A::zero(),
             nesterov: false,
             state: State::new(),
+            #[cfg(feature = "cuda")]
+            device: Default::default(),
         }
     }
 
@@ -161,9 +165,39 @@ impl<A: Real> Sgd<A> {
         });
     }
 
+    /// One step on parameters that live on the GPU, with the same arithmetic as [`Sgd::step`]
+    /// (bit for bit); its state stays on the GPU. An optimizer steps one parameter set, on the
+    /// CPU or on one GPU.
+    #[cfg(feature = "cuda")]
+    pub fn step_cuda<P: crate::cuda::CudaParameters>(
+        &mut self,
+        dev: &mut crate::cuda::Cuda,
+        params: &mut P,
+        grads: &P::Grads,
+    ) -> crate::Result<()>
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        let update = crate::cuda::optim::Update::Sgd {
+            lr: self.lr.to_f64(),
+            momentum: self.momentum.to_f64(),
+            dampening: self.dampening.to_f64(),
+            weight_decay: self.weight_decay.to_f64(),
+            nesterov: self.nesterov,
+            first: self.state.step == 0,
+        };
+        self.device.apply(dev, params, grads, &update)?;
+        self.state.step += 1;
+        Ok(())
+    }
+
     /// Forgets the momentum buffers (and master copies).
     pub fn reset(&mut self) {
         self.state = State::new();
+        #[cfg(feature = "cuda")]
+        {
+            self.device = Default::default();
+        }
     }
 }
 
@@ -180,6 +214,8 @@ pub struct Adam<A: Real> {
     /// L2 penalty added to the gradient.
     pub weight_decay: A,
     state: State<A>,
+    #[cfg(feature = "cuda")]
+    device: crate::cuda::optim::DeviceState,
 }
 
 impl<A: Real> Adam<A> {
@@ -192,6 +228,8 @@ impl<A: Real> Adam<A> {
             eps: A::from_f64(1e-8),
             weight_decay: A::zero(),
             state: State::new(),
+            #[cfg(feature = "cuda")]
+            device: Default::default(),
         }
     }
 
@@ -225,11 +263,8 @@ impl<A: Real> Adam<A> {
         P::Elem: Element<Acc = A>,
     {
         self.state.step += 1;
-        let t = self.state.step as i32;
+        let (correction2_sqrt, step_size) = self.corrections(self.state.step);
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
-        let correction1 = A::ONE - b1.powi(t);
-        let step_size = self.lr / correction1;
-        let correction2_sqrt = (A::ONE - b2.powi(t)).sqrt();
         self.state.apply(params, grads, |slot, grad, values| {
             if slot.v.len() != values.len() {
                 slot.v = vec![A::zero(); values.len()];
@@ -244,9 +279,50 @@ impl<A: Real> Adam<A> {
         });
     }
 
+    /// One step on parameters that live on the GPU, with the same arithmetic as [`Adam::step`]
+    /// (bit for bit); its state stays on the GPU. An optimizer steps one parameter set, on the
+    /// CPU or on one GPU.
+    #[cfg(feature = "cuda")]
+    pub fn step_cuda<P: crate::cuda::CudaParameters>(
+        &mut self,
+        dev: &mut crate::cuda::Cuda,
+        params: &mut P,
+        grads: &P::Grads,
+    ) -> crate::Result<()>
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        let t = self.state.step + 1;
+        let (correction2_sqrt, step_size) = self.corrections(t);
+        let update = crate::cuda::optim::Update::Adam {
+            step_size: step_size.to_f64(),
+            beta1: self.beta1.to_f64(),
+            beta2: self.beta2.to_f64(),
+            eps: self.eps.to_f64(),
+            weight_decay: self.weight_decay.to_f64(),
+            correction2_sqrt: correction2_sqrt.to_f64(),
+        };
+        self.device.apply(dev, params, grads, &update)?;
+        self.state.step = t;
+        Ok(())
+    }
+
+    /// `sqrt(1 - beta2^t)` and `lr / (1 - beta1^t)`, in the accumulator type.
+    fn corrections(&self, t: u64) -> (A, A) {
+        let t = t as i32;
+        let correction1 = A::ONE - self.beta1.powi(t);
+        let step_size = self.lr / correction1;
+        let correction2_sqrt = (A::ONE - self.beta2.powi(t)).sqrt();
+        (correction2_sqrt, step_size)
+    }
+
     /// Forgets the moments, the step count (and master copies).
     pub fn reset(&mut self) {
         self.state = State::new();
+        #[cfg(feature = "cuda")]
+        {
+            self.device = Default::default();
+        }
     }
 }
 

@@ -12,7 +12,7 @@ use crate::element::Element;
 
 static NEXT_STAMP: AtomicU64 = AtomicU64::new(1);
 
-fn fresh_stamp() -> u64 {
+pub(crate) fn fresh_stamp() -> u64 {
     NEXT_STAMP.fetch_add(1, Ordering::Relaxed)
 }
 

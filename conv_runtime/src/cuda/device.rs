@@ -28,32 +28,38 @@ use cudarc::driver::{
 };
 use cudarc::nvrtc::Ptx;
 
+use super::memory::Buf;
 use super::{nvrtc, THREADS};
 use crate::{bf16, f16, Element, Error, Result};
 
 /// Element types that live on the GPU as their bytes (plain data without padding).
-pub trait DeviceElement: Element + sealed::Sealed {}
+pub trait DeviceElement: Element + sealed::Sealed {
+    /// The type's name in kernel names (`f64`, `f32`, `f16`, `bf16`).
+    const NAME: &'static str;
+}
 
 mod sealed {
     pub trait Sealed {}
 }
 
 macro_rules! device_element {
-    ($($t:ty),*) => {$(
+    ($($t:ident),*) => {$(
         impl sealed::Sealed for $t {}
-        impl DeviceElement for $t {}
+        impl DeviceElement for $t {
+            const NAME: &'static str = stringify!($t);
+        }
     )*};
 }
 device_element!(f64, f32, f16, bf16);
 
-fn as_bytes<T: DeviceElement>(values: &[T]) -> &[u8] {
+pub(super) fn as_bytes<T: DeviceElement>(values: &[T]) -> &[u8] {
     // SAFETY: f64, f32, f16 and bf16 are plain data without padding; any byte is readable.
     unsafe {
         std::slice::from_raw_parts(values.as_ptr().cast::<u8>(), std::mem::size_of_val(values))
     }
 }
 
-fn as_bytes_mut<T: DeviceElement>(values: &mut [T]) -> &mut [u8] {
+pub(super) fn as_bytes_mut<T: DeviceElement>(values: &mut [T]) -> &mut [u8] {
     // SAFETY: as above, and every bit pattern is a valid value of these types.
     unsafe {
         std::slice::from_raw_parts_mut(
@@ -63,7 +69,7 @@ fn as_bytes_mut<T: DeviceElement>(values: &mut [T]) -> &mut [u8] {
     }
 }
 
-fn driver(operation: &str, e: cudarc::driver::DriverError) -> Error {
+pub(super) fn driver(operation: &str, e: cudarc::driver::DriverError) -> Error {
     Error::new(operation, format!("{:?}", e.0))
 }
 
@@ -165,6 +171,8 @@ struct Descriptors {
     bias: TensorDesc,
     w: FilterDesc,
     conv: ConvDesc,
+    /// ReLU, for the fused convolution + bias + activation call.
+    relu: ActivationDesc,
     double: bool,
 }
 
@@ -227,12 +235,24 @@ impl Descriptors {
         cudnn("cudnnSetConvolutionMathType", unsafe {
             dnn::cudnnSetConvolutionMathType(conv.0, dnn::cudnnMathType_t::CUDNN_FMA_MATH)
         })?;
+        let relu = ActivationDesc::new()?;
+        // max(x, 0) exactly: no ceiling (`coef` is read only by clipped ReLU), NaN passed on.
+        // SAFETY: a descriptor just created.
+        cudnn("cudnnSetActivationDescriptor", unsafe {
+            dnn::cudnnSetActivationDescriptor(
+                relu.0,
+                dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
+                dnn::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                0.0,
+            )
+        })?;
         Ok(Self {
             x,
             y,
             bias,
             w,
             conv,
+            relu,
             double: g.double,
         })
     }
@@ -312,6 +332,26 @@ impl Drop for ConvDesc {
     }
 }
 
+struct ActivationDesc(dnn::cudnnActivationDescriptor_t);
+
+impl ActivationDesc {
+    fn new() -> Result<Self> {
+        let mut raw = std::ptr::null_mut();
+        // SAFETY: a valid out-pointer.
+        cudnn("cudnnCreateActivationDescriptor", unsafe {
+            dnn::cudnnCreateActivationDescriptor(&mut raw)
+        })?;
+        Ok(Self(raw))
+    }
+}
+
+impl Drop for ActivationDesc {
+    fn drop(&mut self) {
+        // SAFETY: created by cudnnCreateActivationDescriptor, destroyed only here.
+        let _ = unsafe { dnn::cudnnDestroyActivationDescriptor(self.0) };
+    }
+}
+
 struct Handle(dnn::cudnnHandle_t);
 
 impl Drop for Handle {
@@ -338,7 +378,7 @@ struct Kernels(HashMap<&'static str, CudaFunction>);
 /// A CUDA GPU. Create with [`Cuda::new`]; pass to a layer's operations like [`crate::Cpu`].
 pub struct Cuda {
     ctx: Arc<CudaContext>,
-    stream: Arc<CudaStream>,
+    pub(super) stream: Arc<CudaStream>,
     handle: Handle,
     arch: String,
     name: String,
@@ -408,6 +448,18 @@ impl Cuda {
         })
     }
 
+    /// The GPU's ordinal.
+    pub fn ordinal(&self) -> usize {
+        self.ctx.ordinal()
+    }
+
+    /// Makes the context current on this thread (every call into the driver needs it).
+    pub(super) fn bind(&self) -> Result<()> {
+        self.ctx
+            .bind_to_thread()
+            .map_err(|e| driver("cuCtxSetCurrent", e))
+    }
+
     /// The architecture kernels are compiled for, e.g. `"sm_90"`.
     pub fn arch(&self) -> &str {
         &self.arch
@@ -428,9 +480,7 @@ impl Cuda {
     /// Starts an operation of the layer type `setup` (generated code calls this).
     #[doc(hidden)]
     pub fn __session(&mut self, setup: &'static LayerSetup) -> Result<Session<'_>> {
-        self.ctx
-            .bind_to_thread()
-            .map_err(|e| driver("cuCtxSetCurrent", e))?;
+        self.bind()?;
         let kernels = match self.modules.get(&setup.id()) {
             Some(k) => k.clone(),
             None => {
@@ -612,12 +662,6 @@ impl Cuda {
     }
 }
 
-/// A buffer in GPU memory.
-pub struct Buf {
-    bytes: CudaSlice<u8>,
-    ptr: u64,
-}
-
 /// One kernel argument.
 pub enum Arg<'a> {
     /// `int`
@@ -626,6 +670,8 @@ pub enum Arg<'a> {
     Long(usize),
     /// A pointer to a buffer.
     Buf(&'a Buf),
+    /// `double`
+    F64(f64),
     /// `nullptr`
     Null,
 }
@@ -645,44 +691,27 @@ pub struct Session<'a> {
 impl Session<'_> {
     /// A buffer of `len` elements of `T`, zeroed.
     pub fn zeros<T: DeviceElement>(&self, len: usize) -> Result<Buf> {
-        let bytes = self
-            .dev
-            .stream
-            .alloc_zeros::<u8>(len.max(1) * std::mem::size_of::<T>())
-            .map_err(|e| driver("cuMemAlloc", e))?;
-        let ptr = bytes.device_ptr(&self.dev.stream).0;
-        Ok(Buf { bytes, ptr })
+        Buf::zeros(self.dev, len * std::mem::size_of::<T>())
+    }
+
+    /// A buffer of `bytes` bytes, zeroed.
+    pub fn zeros_bytes(&self, bytes: usize) -> Result<Buf> {
+        Buf::zeros(self.dev, bytes)
     }
 
     /// A copy of `host` on the GPU.
     pub fn upload<T: DeviceElement>(&self, host: &[T]) -> Result<Buf> {
-        if host.is_empty() {
-            return self.zeros::<T>(0);
-        }
-        let bytes = self
-            .dev
-            .stream
-            .clone_htod(as_bytes(host))
-            .map_err(|e| driver("cuMemcpyHtoD", e))?;
-        let ptr = bytes.device_ptr(&self.dev.stream).0;
-        Ok(Buf { bytes, ptr })
+        Buf::upload(self.dev, host)
     }
 
     /// Copies `buf` into `host` (its first `host.len()` elements) and waits for it.
     pub fn download<T: DeviceElement>(&self, buf: &Buf, host: &mut [T]) -> Result<()> {
-        let host = as_bytes_mut(host);
-        if host.len() > buf.bytes.len() {
-            return Err(Error::new(
-                "cuMemcpyDtoH",
-                "the buffer is smaller than the tensor",
-            ));
-        }
-        let src = buf.bytes.slice(..host.len());
-        self.dev
-            .stream
-            .memcpy_dtoh(&src, host)
-            .map_err(|e| driver("cuMemcpyDtoH", e))?;
-        self.dev.synchronize()
+        buf.read(self.dev, host)
+    }
+
+    /// Copies `src` into `dst` (buffers of the same size), on the GPU.
+    pub fn copy(&self, src: &Buf, dst: &mut Buf) -> Result<()> {
+        dst.copy_from(self.dev, src)
     }
 
     /// Launches `kernel` on `blocks` blocks of `THREADS` threads.
@@ -707,7 +736,10 @@ impl Session<'_> {
             .map(|a| match a {
                 Arg::Long(n) => i64::try_from(*n)
                     .map_err(|_| Error::new(operation(), format!("{n} exceeds long long"))),
-                Arg::Buf(b) => i64::try_from(b.ptr).map_err(|_| Error::new(operation(), "pointer")),
+                Arg::Buf(b) => {
+                    b.check(self.dev, &operation())?;
+                    i64::try_from(b.ptr()).map_err(|_| Error::new(operation(), "pointer"))
+                }
                 _ => Ok(0),
             })
             .collect::<Result<Vec<i64>>>()?;
@@ -715,6 +747,7 @@ impl Session<'_> {
         for (i, a) in args.iter().enumerate() {
             match a {
                 Arg::Int(_) => builder.arg(&ints[i]),
+                Arg::F64(v) => builder.arg(v),
                 // A pointer is passed as its 64-bit value.
                 Arg::Long(_) | Arg::Buf(_) | Arg::Null => builder.arg(&longs[i]),
             };
@@ -746,6 +779,53 @@ impl Session<'_> {
         (s(0.0), s(1.0), s(0.0))
     }
 
+    /// An error unless every buffer lives on this session's GPU.
+    fn check(&self, operation: &str, bufs: &[&Buf]) -> Result<()> {
+        bufs.iter().try_for_each(|b| b.check(self.dev, operation))
+    }
+
+    /// `y = max(conv(x, w) + bias, 0)` in one cuDNN call (`cudnnConvolutionBiasActivationForward`,
+    /// rl_tools' fused path), `batch` images (accumulator-type buffers).
+    pub fn conv_forward_relu(
+        &mut self,
+        batch: usize,
+        x: &Buf,
+        w: &Buf,
+        bias: &Buf,
+        y: &Buf,
+    ) -> Result<()> {
+        let operation = "cudnnConvolutionBiasActivationForward";
+        self.check(operation, &[x, w, bias, y])?;
+        let d = self.setup.descriptors(batch)?;
+        let a = self.dev.algorithms(self.setup, batch, &d)?;
+        let ws = self.dev.workspace(a.forward_bytes)?;
+        let (zero, one, _) = self.scalars(&d);
+        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes. `z` is
+        // `y` with alpha2 = 0 (the residual input unused), as cuDNN allows.
+        cudnn(operation, unsafe {
+            dnn::cudnnConvolutionBiasActivationForward(
+                self.dev.handle.0,
+                one.as_ptr().cast(),
+                d.x.0,
+                x.ptr() as *const c_void,
+                d.w.0,
+                w.ptr() as *const c_void,
+                d.conv.0,
+                a.forward,
+                ws as *mut c_void,
+                a.forward_bytes,
+                zero.as_ptr().cast(),
+                d.y.0,
+                y.ptr() as *const c_void,
+                d.bias.0,
+                bias.ptr() as *const c_void,
+                d.relu.0,
+                d.y.0,
+                y.ptr() as *mut c_void,
+            )
+        })
+    }
+
     /// `y = conv(x, w) + bias` in cuDNN, `batch` images (accumulator-type buffers).
     pub fn conv_forward(
         &mut self,
@@ -755,6 +835,7 @@ impl Session<'_> {
         bias: &Buf,
         y: &Buf,
     ) -> Result<()> {
+        self.check("cudnnConvolutionForward", &[x, w, bias, y])?;
         let d = self.setup.descriptors(batch)?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.forward_bytes)?;
@@ -765,16 +846,16 @@ impl Session<'_> {
                 self.dev.handle.0,
                 one.as_ptr().cast(),
                 d.x.0,
-                x.ptr as *const c_void,
+                x.ptr() as *const c_void,
                 d.w.0,
-                w.ptr as *const c_void,
+                w.ptr() as *const c_void,
                 d.conv.0,
                 a.forward,
                 ws as *mut c_void,
                 a.forward_bytes,
                 zero.as_ptr().cast(),
                 d.y.0,
-                y.ptr as *mut c_void,
+                y.ptr() as *mut c_void,
             )
         })?;
         // SAFETY: as above; the bias broadcasts over batch and pixels.
@@ -783,16 +864,17 @@ impl Session<'_> {
                 self.dev.handle.0,
                 one.as_ptr().cast(),
                 d.bias.0,
-                bias.ptr as *const c_void,
+                bias.ptr() as *const c_void,
                 one.as_ptr().cast(),
                 d.y.0,
-                y.ptr as *mut c_void,
+                y.ptr() as *mut c_void,
             )
         })
     }
 
     /// `dx = conv_transpose(dz, w)` in cuDNN at the training batch (overwrites `dx`).
     pub fn conv_backward_data(&mut self, batch: usize, w: &Buf, dz: &Buf, dx: &Buf) -> Result<()> {
+        self.check("cudnnConvolutionBackwardData", &[w, dz, dx])?;
         let d = self.setup.descriptors(batch)?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.data_bytes)?;
@@ -803,16 +885,16 @@ impl Session<'_> {
                 self.dev.handle.0,
                 one.as_ptr().cast(),
                 d.w.0,
-                w.ptr as *const c_void,
+                w.ptr() as *const c_void,
                 d.y.0,
-                dz.ptr as *const c_void,
+                dz.ptr() as *const c_void,
                 d.conv.0,
                 a.data,
                 ws as *mut c_void,
                 a.data_bytes,
                 zero.as_ptr().cast(),
                 d.x.0,
-                dx.ptr as *mut c_void,
+                dx.ptr() as *mut c_void,
             )
         })
     }
@@ -825,6 +907,7 @@ impl Session<'_> {
         dz: &Buf,
         dw: &Buf,
     ) -> Result<()> {
+        self.check("cudnnConvolutionBackwardFilter", &[x, dz, dw])?;
         let d = self.setup.descriptors(batch)?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.filter_bytes)?;
@@ -835,9 +918,9 @@ impl Session<'_> {
                 self.dev.handle.0,
                 one.as_ptr().cast(),
                 d.x.0,
-                x.ptr as *const c_void,
+                x.ptr() as *const c_void,
                 d.y.0,
-                dz.ptr as *const c_void,
+                dz.ptr() as *const c_void,
                 d.conv.0,
                 a.filter,
                 ws as *mut c_void,
@@ -845,7 +928,7 @@ impl Session<'_> {
                 // beta = 1: gradients accumulate.
                 one.as_ptr().cast(),
                 d.w.0,
-                dw.ptr as *mut c_void,
+                dw.ptr() as *mut c_void,
             )
         })
     }
