@@ -2,7 +2,8 @@
 # The CUDA backend's numeric checks on a GPU machine (driver 580 / CUDA 13.0): installs NVRTC 13,
 # the CUDA headers and cuDNN 9 for CUDA 13 from pip, builds, and runs tests/cuda_device.rs with
 # CONV2D_REQUIRE_GPU=1 (a missing GPU fails instead of skipping) — every spec against the CPU
-# device on both convolution paths, and the synthetic training task — then the kernel compile
+# device on both convolution paths, on host tensors and device-resident, the optimizers' GPU step
+# against their CPU step, and the synthetic training task on the GPU — then the kernel compile
 # checks (tests/cuda_kernels.rs). Prints pass/fail counts; exits non-zero on any failure.
 # Budget: about 8 minutes on a fresh machine (pip ~1 min, build ~2-4 min, tests ~1 min).
 set -uo pipefail

@@ -1,6 +1,8 @@
 //! The CUDA device against the generated CPU code: every generated spec (in its own element
 //! type), with and without a norm, through every operation, must agree within the element
-//! type's tolerance; extra specs large enough for cuDNN (f32, f64, f16, bf16) and small
+//! type's tolerance, both on host tensors and device-resident (`LayerCuda`); the optimizers'
+//! GPU step must equal their CPU step bit for bit; extra specs large enough for cuDNN (f32,
+//! f64, f16, bf16, with and without cuDNN's fused convolution + bias + ReLU) and small
 //! half-precision ones cover both convolution paths; and the synthetic training task of
 //! tests/training.rs trains on the GPU.
 //!
@@ -51,6 +53,19 @@ fn same<E: Element>(what: &str, cpu: &[E], gpu: &[E], tolerance: f64) {
     assert_close(what, &to_f64(gpu), &to_f64(cpu), tolerance);
 }
 
+/// Every parameter's gradient in `grads`, by name, in visiting order.
+#[allow(clippy::type_complexity)]
+fn gradients<P: Parameters + Clone>(
+    layer: &P,
+    grads: &P::Grads,
+) -> Vec<(String, Vec<<P::Elem as Element>::Acc>)> {
+    let mut all = Vec::new();
+    layer.clone().visit_mut(grads, &mut |name, _, grad| {
+        all.push((name.to_string(), grad.to_vec()))
+    });
+    all
+}
+
 /// `equivalence!(name, key: value, ..)`: the spec without a norm, with BatchNorm and with
 /// LayerNorm, each on both devices.
 macro_rules! equivalence {
@@ -79,7 +94,7 @@ macro_rules! equivalence {
         $(, stride: $stride:tt)? $(, padding: $padding:tt)? $(, activation: $activation:ident)? $(, batch: $batch:literal)? $(, dtype: $dtype:ident)?) => {
         pub mod $module {
             use crate::common::{convert, SplitMix64};
-            use crate::{gpu, same, tolerance};
+            use crate::{gpu, gradients, same, tolerance};
             use conv_runtime::prelude::*;
 
             conv_runtime::conv2d! {
@@ -145,12 +160,7 @@ macro_rules! equivalence {
                     same("backward_full d_weights", g_cpu.weights.as_slice(), g_gpu.weights.as_slice(), tol);
                     same("backward_full d_biases", g_cpu.biases.as_slice(), g_gpu.biases.as_slice(), tol);
                     // Every parameter's gradient, gamma and beta included.
-                    let grads_of = |g: &LayerGrads| {
-                        let mut all = Vec::new();
-                        layer.clone().visit_mut(g, &mut |name, _, grad| all.push((name.to_string(), grad.to_vec())));
-                        all
-                    };
-                    for ((name, c), (_, g)) in grads_of(&g_cpu).iter().zip(&grads_of(&g_gpu)) {
+                    for ((name, c), (_, g)) in gradients(&layer, &g_cpu).iter().zip(&gradients(&layer, &g_gpu)) {
                         same(&format!("backward_full d_{name}"), c, g, tol);
                     }
 
@@ -162,6 +172,92 @@ macro_rules! equivalence {
                     let twice: Vec<_> = g_cpu.weights.as_slice().iter().map(|g| 2.0 * g).collect();
                     same("backward accumulates", &twice, g_gpu.weights.as_slice(), tol);
                 }
+            }
+
+            /// The device-resident types: every operation on tensors that stay on the GPU, and
+            /// training steps (Adam, then SGD with Nesterov momentum) whose optimizer runs on
+            /// the GPU and equals the CPU optimizer bit for bit from the same gradients.
+            #[test]
+            fn resident_operations_and_optimizers() {
+                let Some(mut cuda) = gpu() else { return };
+                type A = <T as Element>::Acc;
+                let tol = tolerance::<T>();
+                let mut data = SplitMix64::new(0x0c0d_b000 + $ih * 1000 + $oc);
+                let layer = Layer::new(&mut Rng::seed_from_u64(6));
+                let x = Input::from_vec(convert(&data.values(Input::LEN))).unwrap();
+                let d_output = Output::from_vec(convert(&data.values(Output::LEN))).unwrap();
+                let mut cpu = Cpu::default();
+                let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
+                let dy_gpu = CudaTensor::upload(&cuda, &d_output).unwrap();
+
+                let mut on_gpu = LayerCuda::upload(&cuda, &layer).unwrap();
+                let mut y_cpu = Output::zeros();
+                layer.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
+                let mut y_gpu = CudaTensor::zeros(&cuda).unwrap();
+                on_gpu.evaluate(&mut cuda, &x_gpu, &mut y_gpu).unwrap();
+                same("resident evaluate", y_cpu.as_slice(), y_gpu.download(&cuda).unwrap().as_slice(), tol);
+
+                // `reference` follows the GPU's parameters on the CPU: same gradients, CPU steps.
+                let mut reference = layer.clone();
+                let mut s_cpu = LayerState::new();
+                let mut s_gpu = LayerCudaState::new(&cuda).unwrap();
+                let (mut g_cpu, mut g_gpu) = (LayerGrads::zeros(), LayerCudaGrads::zeros(&cuda).unwrap());
+                let mut g_host = LayerGrads::zeros();
+                let mut dx_cpu = Input::zeros();
+                let mut dx_gpu = CudaTensor::zeros(&cuda).unwrap();
+                let lr = <A as Element>::from_f64(1e-2);
+                let (mut adam_cpu, mut adam_gpu) = (
+                    Adam::new(lr).with_weight_decay(<A as Element>::from_f64(1e-2)),
+                    Adam::new(lr).with_weight_decay(<A as Element>::from_f64(1e-2)),
+                );
+                let sgd = || {
+                    let mut s = Sgd::new(lr).with_momentum(<A as Element>::from_f64(0.9));
+                    s.nesterov = true;
+                    s
+                };
+                let (mut sgd_cpu, mut sgd_gpu) = (sgd(), sgd());
+                let mut check = layer.clone();
+                for step in 0..4 {
+                    reference.forward(&mut cpu, &x, &mut s_cpu, Mode::Train).unwrap();
+                    on_gpu.forward(&mut cuda, &x_gpu, &mut s_gpu, Mode::Train).unwrap();
+                    same("resident forward", s_cpu.output().as_slice(), s_gpu.output().download(&cuda).unwrap().as_slice(), tol);
+                    reference.backward_full(&mut cpu, &s_cpu, &x, &d_output, &mut dx_cpu, &mut g_cpu, Mode::Train).unwrap();
+                    on_gpu.backward_full(&mut cuda, &s_gpu, &x_gpu, &dy_gpu, &mut dx_gpu, &mut g_gpu, Mode::Train).unwrap();
+                    same("resident backward_full d_input", dx_cpu.as_slice(), dx_gpu.download(&cuda).unwrap().as_slice(), tol);
+                    g_gpu.download_into(&cuda, &mut g_host).unwrap();
+                    for ((name, c), (_, g)) in gradients(&layer, &g_cpu).iter().zip(&gradients(&layer, &g_host)) {
+                        same(&format!("resident d_{name}"), c, g, tol);
+                    }
+                    if step < 2 {
+                        adam_cpu.step(&mut reference, &g_host);
+                        adam_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
+                    } else {
+                        sgd_cpu.step(&mut reference, &g_host);
+                        sgd_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
+                    }
+                    on_gpu.download_into(&cuda, &mut check).unwrap();
+                    let mut expected = Vec::new();
+                    reference.visit(&mut |name, v| expected.push((name.to_string(), v.to_vec())));
+                    let mut got = Vec::new();
+                    check.visit(&mut |name, v| got.push((name.to_string(), v.to_vec())));
+                    for ((name, e), (_, g)) in expected.iter().zip(&got) {
+                        let bits = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+                        assert!(bits(e) == bits(g), "step {step}: the GPU optimizer's `{name}` differs from the CPU's");
+                    }
+                    g_cpu.zero();
+                    g_gpu.zero(&cuda).unwrap();
+                    // Zeroed on the GPU: the next backward pass starts from nothing.
+                    g_gpu.download_into(&cuda, &mut g_host).unwrap();
+                    assert!(g_host.norm() == 0.0, "zero left {}", g_host.norm());
+                }
+
+                // Host parameters copied in replace the GPU's, and the host-tensor operations
+                // agree with the resident ones.
+                on_gpu.copy_from_host(&cuda, &layer).unwrap();
+                on_gpu.evaluate(&mut cuda, &x_gpu, &mut y_gpu).unwrap();
+                let mut y_host = Output::zeros();
+                layer.evaluate(&mut cuda, &x, &mut y_host).unwrap();
+                same("copy_from_host, then evaluate", y_host.as_slice(), y_gpu.download(&cuda).unwrap().as_slice(), 0.0);
             }
         }
     };
@@ -181,6 +277,8 @@ equivalence!(cudnn_f16, input: [16, 16, 32], out_channels: 32, kernel: [3, 2], p
     activation: Sigmoid, batch: 8, dtype: f16);
 equivalence!(cudnn_bf16, input: [16, 16, 32], out_channels: 32, kernel: 3, stride: [1, 2],
     padding: 1, activation: FastTanh, batch: 8, dtype: bf16);
+equivalence!(cudnn_f16_relu, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+    activation: Relu, batch: 8, dtype: f16);
 equivalence!(direct_f16, input: [8, 9, 4], out_channels: 8, kernel: 3, stride: 2, padding: 1,
     activation: Relu, batch: 2, dtype: f16);
 equivalence!(direct_bf16, input: [7, 7, 3], out_channels: 5, kernel: [2, 3], padding: [0, 1],
@@ -213,6 +311,12 @@ const _: () = {
         !cudnn_bf16::batch_norm::Layer::__CUDA_DIRECT,
         "cudnn_bf16 is direct"
     );
+    // cuDNN's fused convolution + bias + ReLU: f32 and half ReLU layers without a norm.
+    assert!(cudnn_f32::plain::Layer::__CUDA_FUSED);
+    assert!(cudnn_f16_relu::plain::Layer::__CUDA_FUSED);
+    assert!(!cudnn_f32::batch_norm::Layer::__CUDA_FUSED);
+    assert!(!cudnn_f32_stride2::plain::Layer::__CUDA_FUSED);
+    assert!(!defaults::plain::Layer::__CUDA_FUSED);
 };
 
 /// A device is an error, never a panic, when there is none; with one, the architecture is the
@@ -226,7 +330,7 @@ fn device_reports_itself() {
 }
 
 /// tests/training.rs's synthetic task (which quadrant of a noisy 16x16 image holds a bright 3x3
-/// blob) with both convolutions on the GPU: conv1 (ReLU) -> conv2 (BatchNorm, ReLU) -> a linear
+/// blob) with both convolutions on the GPU, device-resident, stepped by Adam on the GPU: conv1 (ReLU) -> conv2 (BatchNorm, ReLU) -> a linear
 /// read-out on the host, Adam, minibatches of 32, 6 epochs; >= 95% held-out accuracy through
 /// `evaluate`, and two runs with the same seed bit-identical (every GPU reduction has a fixed
 /// order).
@@ -359,28 +463,35 @@ mod training {
         }
     }
 
-    /// Epoch losses and held-out accuracy of one run.
+    /// Epoch losses and held-out accuracy of one run. The convolutions' parameters, states,
+    /// gradients and optimizer state stay on the GPU for the whole run; per minibatch the
+    /// images go up, conv2's features come down to the host read-out and their gradient goes up.
     fn run(cuda: &mut Cuda, seed: u64) -> (Vec<f32>, f64) {
         let mut rng = Rng::seed_from_u64(seed);
         let (train_x, train_y) = dataset(TRAIN, &mut rng);
         let (test_x, test_y) = dataset(TEST, &mut rng);
-        let mut conv1 = Conv1::new(&mut rng);
-        let mut conv2 = Conv2::new(&mut rng);
+        let mut conv1 = Conv1Cuda::upload(cuda, &Conv1::new(&mut rng)).unwrap();
+        let mut conv2 = Conv2Cuda::upload(cuda, &Conv2::new(&mut rng)).unwrap();
         let bound = 1.0 / (FEATURES as f64).sqrt();
         let mut readout = Readout {
             w: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
             b: Vector::zeros(),
         };
         let (mut adam1, mut adam2, mut adam3) = (Adam::new(1e-2), Adam::new(1e-2), Adam::new(1e-2));
-        let (mut g1, mut g2) = (Conv1Grads::zeros(), Conv2Grads::zeros());
+        let mut g1 = Conv1CudaGrads::zeros(cuda).unwrap();
+        let mut g2 = Conv2CudaGrads::zeros(cuda).unwrap();
         let mut g3 = Readout {
             w: Vector::zeros(),
             b: Vector::zeros(),
         };
-        let (mut s1, mut s2) = (Conv1State::new(), Conv2State::new());
+        let mut s1 = Conv1CudaState::new(cuda).unwrap();
+        let mut s2 = Conv2CudaState::new(cuda).unwrap();
         let mut x = Tensor::<f32, BATCH, 16, 16, 1>::zeros();
+        let mut x_gpu = CudaTensor::zeros(cuda).unwrap();
+        let mut h = Tensor::<f32, BATCH, 4, 4, 16>::zeros();
         let mut d_out2 = Tensor::<f32, BATCH, 4, 4, 16>::zeros();
-        let mut d_out1 = Tensor::<f32, BATCH, 8, 8, 8>::zeros();
+        let mut d_out2_gpu = CudaTensor::zeros(cuda).unwrap();
+        let mut d_out1_gpu = CudaTensor::<f32, BATCH, 8, 8, 8>::zeros(cuda).unwrap();
         let mut d_h = vec![0.0f32; BATCH * FEATURES];
         let mut labels = vec![0usize; BATCH];
         let mut order: Vec<usize> = (0..TRAIN).collect();
@@ -397,33 +508,35 @@ mod training {
                         .copy_from_slice(&train_x[i * PIXELS..(i + 1) * PIXELS]);
                     labels[b] = train_y[i];
                 }
-                conv1.forward(cuda, &x, &mut s1, Mode::Train).unwrap();
+                x_gpu.copy_from_host(cuda, &x).unwrap();
+                conv1.forward(cuda, &x_gpu, &mut s1, Mode::Train).unwrap();
                 conv2
                     .forward(cuda, s1.output(), &mut s2, Mode::Train)
                     .unwrap();
-                let loss =
-                    readout.loss_and_backward(s2.output().as_slice(), &labels, &mut g3, &mut d_h);
+                s2.output().download_into(cuda, &mut h).unwrap();
+                let loss = readout.loss_and_backward(h.as_slice(), &labels, &mut g3, &mut d_h);
                 assert!(loss.is_finite(), "loss {loss}");
                 d_out2.as_mut_slice().copy_from_slice(&d_h);
+                d_out2_gpu.copy_from_host(cuda, &d_out2).unwrap();
                 conv2
                     .backward_full(
                         cuda,
                         &s2,
                         s1.output(),
-                        &d_out2,
-                        &mut d_out1,
+                        &d_out2_gpu,
+                        &mut d_out1_gpu,
                         &mut g2,
                         Mode::Train,
                     )
                     .unwrap();
                 conv1
-                    .backward(cuda, &s1, &x, &d_out1, &mut g1, Mode::Train)
+                    .backward(cuda, &s1, &x_gpu, &d_out1_gpu, &mut g1, Mode::Train)
                     .unwrap();
-                adam1.step(&mut conv1, &g1);
-                adam2.step(&mut conv2, &g2);
+                adam1.step_cuda(cuda, &mut conv1, &g1).unwrap();
+                adam2.step_cuda(cuda, &mut conv2, &g2).unwrap();
                 adam3.step(&mut readout, &g3);
-                g1.zero();
-                g2.zero();
+                g1.zero(cuda).unwrap();
+                g2.zero(cuda).unwrap();
                 g3 = Readout {
                     w: Vector::zeros(),
                     b: Vector::zeros(),
@@ -432,11 +545,16 @@ mod training {
             }
             losses.push(epoch / (TRAIN / BATCH) as f32);
         }
-        let x_test = Tensor::<f32, TEST, 16, 16, 1>::from_vec(test_x).unwrap();
-        let mut y1 = Tensor::<f32, TEST, 8, 8, 8>::zeros();
-        let mut y2 = Tensor::<f32, TEST, 4, 4, 16>::zeros();
+        let x_test = CudaTensor::upload(
+            cuda,
+            &Tensor::<f32, TEST, 16, 16, 1>::from_vec(test_x).unwrap(),
+        )
+        .unwrap();
+        let mut y1 = CudaTensor::<f32, TEST, 8, 8, 8>::zeros(cuda).unwrap();
+        let mut y2 = CudaTensor::<f32, TEST, 4, 4, 16>::zeros(cuda).unwrap();
         conv1.evaluate(cuda, &x_test, &mut y1).unwrap();
         conv2.evaluate(cuda, &y1, &mut y2).unwrap();
+        let y2 = y2.download(cuda).unwrap();
         let argmax = |z: &[f32; CLASSES]| {
             (0..CLASSES).fold(0, |best, k| if z[k] > z[best] { k } else { best })
         };

@@ -47,7 +47,9 @@
 //! `CUDNN_FMA_MATH` (TF32 would round the operands, a change of the math) and deterministic
 //! algorithms.
 //!
-//! - `evaluate`: convolution into `y`; then no norm: `activation_evaluate`; BatchNorm:
+//! - `evaluate`: cuDNN layers without a norm whose activation is ReLU run cuDNN's fused
+//!   convolution + bias + ReLU into the output (f32; half types on widened copies, then
+//!   `narrow`), see [`fused`]. Otherwise convolution into `y`; then no norm: `activation_evaluate`; BatchNorm:
 //!   `bn_evaluate`; LayerNorm: `y` rounded into the output (`narrow` for half types),
 //!   `ln_stats` into a per-sample scratch, `norm_affine` in place without pre-activation.
 //! - `forward`: convolution into `y`; then no norm: `activation_forward`; with a norm: `y`
@@ -60,10 +62,11 @@
 //!   data gradient.
 
 use proc_macro2::TokenStream;
-use quote::quote;
+use quote::{format_ident, quote};
 
+use super::types::{device_impl, params};
 use super::{acc, elem, lit, rt, usize_consts, Names};
-use crate::spec::{Dtype, Norm, Spec};
+use crate::spec::{Activation, Dtype, Norm, Spec};
 
 /// Forward FLOPs up to which the direct kernels run the convolutions.
 const DIRECT_MAX_FLOPS: u64 = 1 << 24;
@@ -154,7 +157,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let plan = Plan::of(spec);
     let source = plan.source(spec);
     let kernels = plan.files.iter().flat_map(|f| f.kernels);
-    let direct = plan.direct;
+    let (direct, fused) = (plan.direct, plan.fused);
     let scratch = lit(plan.scratch(spec));
     let device = device(spec, &plan);
     quote! {
@@ -170,6 +173,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// Whether the convolutions run in the direct kernels (else in cuDNN).
             #[doc(hidden)]
             pub const __CUDA_DIRECT: bool = #direct;
+            /// Whether inference runs cuDNN's fused convolution + bias + ReLU.
+            #[doc(hidden)]
+            pub const __CUDA_FUSED: bool = #fused;
             /// Accumulator-type elements of the gradient reductions' scratch buffer.
             #[doc(hidden)]
             pub const __CUDA_SCRATCH: usize = #scratch;
@@ -204,6 +210,18 @@ fn direct(spec: &Spec) -> bool {
     forward_flops(spec) <= bound
 }
 
+/// Whether inference runs in one cuDNN call, convolution + bias + ReLU
+/// (`cudnnConvolutionBiasActivationForward`, rl_tools' fused path): cuDNN layers without a norm
+/// whose activation is ReLU, in f32 (on widened copies for the half types). cuDNN's other fused
+/// activations are not ours (clipped ReLU, ELU) or need a particular algorithm (identity); f64
+/// keeps the separate calls, whose double support is certain.
+fn fused(spec: &Spec, direct: bool) -> bool {
+    !direct
+        && spec.norm == Norm::None
+        && spec.activation == Activation::Relu
+        && spec.dtype != Dtype::F64
+}
+
 /// How a sum over `rows` rows, for each of `len` outputs, is cut into chunks: the first phase
 /// has `count * len` work items, each summing `rows` (the last one fewer) rows.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -226,6 +244,8 @@ impl Chunks {
 /// What one spec's CUDA side consists of.
 struct Plan {
     direct: bool,
+    /// Whether inference runs cuDNN's fused convolution + bias + ReLU.
+    fused: bool,
     files: Vec<File>,
     bias: Chunks,
     /// The weight gradient's chunking, for the direct kernels.
@@ -255,6 +275,7 @@ impl Plan {
         }
         Self {
             direct,
+            fused: fused(spec, direct),
             files,
             bias: Chunks::new(rows, spec.out_channels),
             weights: direct.then(|| Chunks::new(rows, spec.out_channels * spec.fan_in())),
@@ -341,23 +362,29 @@ impl Plan {
     }
 }
 
-/// The `Cuda` device's implementation of the layer's operations: the recipe of the module
-/// docs on host tensors (upload, kernels and cuDNN calls, download), emitted inside
-/// `conv_runtime::__private::if_cuda!` so that it exists exactly when the runtime was built
-/// with the `cuda` feature. The spec's choices (direct or cuDNN, norm, half precision) are
-/// made here; the generated code has no branch on them.
+/// The device-resident types (`LayerCuda`, `LayerCudaGrads`, `LayerCudaState`) with their
+/// operations (the recipe of the module docs on GPU buffers), and the `Cuda` device's
+/// implementation of the layer's operations on host tensors (upload, the same operations,
+/// download). Emitted inside `conv_runtime::__private::if_cuda!`, so that it exists exactly when
+/// the runtime was built with the `cuda` feature. The spec's choices (direct or cuDNN, norm, half
+/// precision, the fused cuDNN call) are made here; the generated code has no branch on them.
 fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     let rt = rt();
     let Names {
         layer,
         grads,
         state,
-        device,
+        ..
     } = Names::of(spec);
+    let vis = &spec.vis;
+    let cuda_layer = format_ident!("{}Cuda", layer);
+    let cuda_grads = format_ident!("{}CudaGrads", layer);
+    let cuda_state = format_ident!("{}CudaState", layer);
     let t = elem(spec.dtype);
     let a = acc(spec.dtype);
     let half = spec.dtype.is_half();
     let direct = plan.direct;
+    let batch_norm = matches!(spec.norm, Norm::BatchNorm { .. });
     let consts = [
         ("BATCH", spec.batch),
         ("IH", spec.in_h()),
@@ -394,6 +421,65 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     let ok = quote!(::core::result::Result::Ok);
     let some = quote!(::core::option::Option::Some);
     let none = quote!(::core::option::Option::None);
+    let result = quote!(#rt::Result<()>);
+
+    // The types' fields, in literal sizes.
+    let (oc, batch) = (lit(spec.out_channels), lit(spec.batch));
+    let (ih, iw, ic) = (lit(spec.in_h()), lit(spec.in_w()), lit(spec.in_c()));
+    let (oh, ow) = (lit(spec.out_h()), lit(spec.out_w()));
+    let tensor = |elem: &TokenStream, shape: &TokenStream, vector: bool| {
+        if vector {
+            quote!(#rt::cuda::CudaVector<#elem, #shape>)
+        } else {
+            quote!(#rt::cuda::CudaTensor<#elem, #shape>)
+        }
+    };
+    let params = params(spec);
+    let names: Vec<_> = params.iter().map(|p| &p.name).collect();
+    let param_tys: Vec<_> = params
+        .iter()
+        .map(|p| tensor(&t, &p.shape, p.name != "weights"))
+        .collect();
+    let grad_tys: Vec<_> = params
+        .iter()
+        .map(|p| tensor(&a, &p.shape, p.name != "weights"))
+        .collect();
+    let running: Vec<syn::Ident> = if batch_norm {
+        vec![format_ident!("running_mean"), format_ident!("running_var")]
+    } else {
+        Vec::new()
+    };
+    let running_fields = batch_norm.then(|| {
+        quote! {
+            /// Running mean per channel (BatchNorm), in the accumulator type.
+            pub running_mean: #rt::cuda::CudaVector<#a, #oc>,
+            /// Running biased variance per channel (BatchNorm), in the accumulator type.
+            pub running_var: #rt::cuda::CudaVector<#a, #oc>,
+        }
+    });
+    let stats_len = match spec.norm {
+        Norm::None => None,
+        Norm::BatchNorm { .. } => Some(oc.clone()),
+        Norm::LayerNorm { .. } => Some(batch.clone()),
+    };
+    let y_ty = quote!(#rt::cuda::CudaTensor<#t, #batch, #oh, #ow, #oc>);
+    let x_ty = quote!(#rt::cuda::CudaTensor<#t, #batch, #ih, #iw, #ic>);
+    let stats_fields = stats_len.as_ref().map(|n| {
+        quote! {
+            conv: #y_ty,
+            mean: #rt::cuda::CudaVector<#a, #n>,
+            inv_std: #rt::cuda::CudaVector<#a, #n>,
+        }
+    });
+    let mut state_names = Vec::new();
+    let mut state_tys = Vec::new();
+    if let Some(n) = &stats_len {
+        state_names.extend(["conv", "mean", "inv_std"].map(|f| format_ident!("{}", f)));
+        let stats = quote!(#rt::cuda::CudaVector<#a, #n>);
+        state_tys.extend([y_ty.clone(), stats.clone(), stats]);
+    }
+    state_names.extend(["pre_activation", "output"].map(|f| format_ident!("{}", f)));
+    state_tys.extend([y_ty.clone(), y_ty.clone()]);
 
     // Widened copies for cuDNN in f32 (half layers).
     let widen_fn = (half && !direct).then(|| {
@@ -408,187 +494,266 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     let narrow = |n: TokenStream, src: TokenStream, dst: TokenStream| quote!(s.launch("narrow", blocks_for(#n), &[Arg::Long(#n), Arg::Buf(#src), Arg::Buf(#dst)])?;);
     let conv_body = match (direct, half) {
         (true, _) => quote! {
-            s.launch("conv_forward", blocks_for(batch * NPIX * OC), &[Arg::Int(batch), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(&y)])?;
+            s.launch("conv_forward", blocks_for(batch * NPIX * OC), &[Arg::Int(batch), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(y)])?;
         },
         (false, false) => quote! {
-            s.conv_forward(batch, x, w, b, &y)?;
+            s.conv_forward(batch, x, w, b, y)?;
         },
         (false, true) => quote! {
             let xa = widen(s, x, batch * IH * IW * IC)?;
             let wa = widen(s, w, OC * WINDOW)?;
             let ba = widen(s, b, OC)?;
-            s.conv_forward(batch, &xa, &wa, &ba, &y)?;
+            s.conv_forward(batch, &xa, &wa, &ba, y)?;
         },
     };
 
-    let evaluate_tail = match spec.norm {
+    let fused = plan.fused;
+    let evaluate_body = match spec.norm {
+        Norm::None if fused && !half => quote! {
+            s.conv_forward_relu(__B, x, w, b, out)?;
+        },
+        Norm::None if fused => {
+            let narrow = narrow(quote!(count), quote!(&y), quote!(out));
+            quote! {
+                let xa = widen(s, x, __B * IH * IW * IC)?;
+                let wa = widen(s, w, OC * WINDOW)?;
+                let ba = widen(s, b, OC)?;
+                let y = s.zeros::<__A>(count)?;
+                s.conv_forward_relu(__B, &xa, &wa, &ba, &y)?;
+                #narrow
+            }
+        }
         Norm::None => quote! {
-            let out = s.zeros::<__T>(count)?;
-            s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(&y), Arg::Buf(&out)])?;
+            let y = s.zeros::<__A>(count)?;
+            conv(s, __B, x, w, b, &y)?;
+            s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(&y), Arg::Buf(out)])?;
         },
         Norm::BatchNorm { .. } => quote! {
-            let gamma = s.upload(layer.gamma.as_slice())?;
-            let beta = s.upload(layer.beta.as_slice())?;
-            let running_mean = s.upload(layer.running_mean.as_slice())?;
-            let running_var = s.upload(layer.running_var.as_slice())?;
-            let out = s.zeros::<__T>(count)?;
-            s.launch("bn_evaluate", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&y), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Buf(&running_mean), Arg::Buf(&running_var), Arg::Buf(&out)])?;
+            let y = s.zeros::<__A>(count)?;
+            conv(s, __B, x, w, b, &y)?;
+            s.launch("bn_evaluate", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&y), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Buf(self.running_mean.__buf()), Arg::Buf(self.running_var.__buf()), Arg::Buf(out)])?;
         },
         Norm::LayerNorm { .. } => {
             let rounded = if half {
-                let narrow = narrow(quote!(count), quote!(&y), quote!(&out));
+                let narrow = narrow(quote!(count), quote!(&y), quote!(out));
                 quote! {
-                    let out = s.zeros::<__T>(count)?;
+                    let y = s.zeros::<__A>(count)?;
+                    conv(s, __B, x, w, b, &y)?;
                     #narrow
                 }
             } else {
-                quote!(let out = y;)
+                quote!(conv(s, __B, x, w, b, out)?;)
             };
             quote! {
                 #rounded
                 let mean = s.zeros::<__A>(__B)?;
                 let inv_std = s.zeros::<__A>(__B)?;
-                s.launch("ln_stats", __B, &[Arg::Int(__B), Arg::Buf(&out), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
-                let gamma = s.upload(layer.gamma.as_slice())?;
-                let beta = s.upload(layer.beta.as_slice())?;
-                s.launch("norm_affine", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&out), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Null, Arg::Buf(&out)])?;
+                s.launch("ln_stats", __B, &[Arg::Int(__B), Arg::Buf(out), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                s.launch("norm_affine", blocks_for(count), &[Arg::Int(__B), Arg::Buf(out), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Null, Arg::Buf(out)])?;
             }
         }
     };
 
-    let forward_tail = match spec.norm {
-        Norm::None => quote! {
-            let _ = mode;
-            let pre = s.zeros::<__T>(n)?;
-            let out = s.zeros::<__T>(n)?;
-            s.launch("activation_forward", blocks_for(n), &[Arg::Long(n), Arg::Buf(&y), Arg::Buf(&pre), Arg::Buf(&out)])?;
-            s.download(&pre, state.pre_activation.as_mut_slice())?;
-            s.download(&out, state.output.as_mut_slice())?;
-        },
+    let forward_body = match spec.norm {
+        Norm::None => {
+            // f32 and f64: the convolution writes the pre-activation itself (T is the
+            // accumulator type; the activation reads each element before writing it).
+            let y = if half {
+                quote! {
+                    let y = s.zeros::<__A>(n)?;
+                    conv(s, BATCH, x, w, b, &y)?;
+                    let y = &y;
+                }
+            } else {
+                quote! {
+                    conv(s, BATCH, x, w, b, state.pre_activation.__buf_mut())?;
+                    let y = state.pre_activation.__buf();
+                }
+            };
+            quote! {
+                let _ = mode;
+                #y
+                s.launch("activation_forward", blocks_for(n), &[Arg::Long(n), Arg::Buf(y), Arg::Buf(state.pre_activation.__buf()), Arg::Buf(state.output.__buf_mut())])?;
+            }
+        }
         norm => {
             let rounded = if half {
-                let narrow = narrow(quote!(n), quote!(&y), quote!(&conv));
+                let narrow = narrow(quote!(n), quote!(&y), quote!(state.conv.__buf_mut()));
                 quote! {
-                    let conv = s.zeros::<__T>(n)?;
+                    let y = s.zeros::<__A>(n)?;
+                    conv(s, BATCH, x, w, b, &y)?;
                     #narrow
                 }
             } else {
-                quote!(let conv = y;)
+                quote!(conv(s, BATCH, x, w, b, state.conv.__buf_mut())?;)
             };
             let stats = match norm {
                 Norm::BatchNorm { .. } => quote! {
-                    let mean = s.zeros::<__A>(OC)?;
-                    let inv_std = s.zeros::<__A>(OC)?;
-                    let running_mean = s.upload(layer.running_mean.as_slice())?;
-                    let running_var = s.upload(layer.running_var.as_slice())?;
                     if ::core::matches!(mode, #rt::Mode::Train) {
-                        s.launch("bn_stats_train", OC, &[Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&running_mean), Arg::Buf(&running_var)])?;
-                        s.download(&running_mean, layer.running_mean.as_mut_slice())?;
-                        s.download(&running_var, layer.running_var.as_mut_slice())?;
+                        s.launch("bn_stats_train", OC, &[Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut()), Arg::Buf(self.running_mean.__buf_mut()), Arg::Buf(self.running_var.__buf_mut())])?;
                     } else {
-                        s.launch("bn_stats_eval", blocks_for(OC), &[Arg::Buf(&running_mean), Arg::Buf(&running_var), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                        s.launch("bn_stats_eval", blocks_for(OC), &[Arg::Buf(self.running_mean.__buf()), Arg::Buf(self.running_var.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
                     }
                 },
                 _ => quote! {
                     let _ = mode;
-                    let mean = s.zeros::<__A>(BATCH)?;
-                    let inv_std = s.zeros::<__A>(BATCH)?;
-                    s.launch("ln_stats", BATCH, &[Arg::Int(BATCH), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std)])?;
+                    s.launch("ln_stats", BATCH, &[Arg::Int(BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
                 },
             };
             quote! {
                 #rounded
                 #stats
-                let gamma = s.upload(layer.gamma.as_slice())?;
-                let beta = s.upload(layer.beta.as_slice())?;
-                let pre = s.zeros::<__T>(n)?;
-                let out = s.zeros::<__T>(n)?;
-                s.launch("norm_affine", blocks_for(n), &[Arg::Int(BATCH), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), Arg::Buf(&beta), Arg::Buf(&pre), Arg::Buf(&out)])?;
-                s.download(&conv, state.conv.as_mut_slice())?;
-                s.download(&mean, state.mean.as_mut_slice())?;
-                s.download(&inv_std, state.inv_std.as_mut_slice())?;
-                s.download(&pre, state.pre_activation.as_mut_slice())?;
-                s.download(&out, state.output.as_mut_slice())?;
+                s.launch("norm_affine", blocks_for(n), &[Arg::Int(BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Buf(state.pre_activation.__buf_mut()), Arg::Buf(state.output.__buf_mut())])?;
             }
         }
     };
 
-    // Backward through the norm, in place on `dz`; `norm_grads` are the uploaded gamma and
-    // beta gradients when the parameter gradients are wanted.
+    // Backward through the norm, in place on `dz`; the gamma and beta gradients accumulate
+    // when `grads` is given.
     let norm_backward = match spec.norm {
         Norm::None => quote!(let _ = mode;),
-        norm => {
-            let kernels = match norm {
-                Norm::BatchNorm { .. } => quote! {
-                    let (d_gamma, d_beta) = match &norm_grads {
-                        #some((g, b)) => (Arg::Buf(g), Arg::Buf(b)),
-                        #none => (Arg::Null, Arg::Null),
-                    };
-                    let kernel = if ::core::matches!(mode, #rt::Mode::Train) { "bn_backward_train" } else { "bn_backward_eval" };
-                    s.launch(kernel, OC, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma), d_gamma, d_beta])?;
-                },
-                _ => quote! {
-                    let _ = mode;
-                    if let #some((g, b)) = &norm_grads {
-                        s.launch("ln_param_grads", OC, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(g), Arg::Buf(b)])?;
-                    }
-                    s.launch("ln_backward", BATCH, &[Arg::Buf(&dz), Arg::Buf(&conv), Arg::Buf(&mean), Arg::Buf(&inv_std), Arg::Buf(&gamma)])?;
-                },
+        Norm::BatchNorm { .. } => quote! {
+            let (d_gamma, d_beta) = match grads.as_deref() {
+                #some(g) => (Arg::Buf(g.gamma.__buf()), Arg::Buf(g.beta.__buf())),
+                #none => (Arg::Null, Arg::Null),
             };
-            quote! {
-                let conv = s.upload(state.conv.as_slice())?;
-                let mean = s.upload(state.mean.as_slice())?;
-                let inv_std = s.upload(state.inv_std.as_slice())?;
-                let gamma = s.upload(layer.gamma.as_slice())?;
-                let norm_grads = match grads.as_deref() {
-                    #some(g) => #some((s.upload(g.gamma.as_slice())?, s.upload(g.beta.as_slice())?)),
-                    #none => #none,
-                };
-                #kernels
+            let kernel = if ::core::matches!(mode, #rt::Mode::Train) { "bn_backward_train" } else { "bn_backward_eval" };
+            s.launch(kernel, OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf()), d_gamma, d_beta])?;
+        },
+        Norm::LayerNorm { .. } => quote! {
+            let _ = mode;
+            if let #some(g) = grads.as_deref() {
+                s.launch("ln_param_grads", OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(g.gamma.__buf()), Arg::Buf(g.beta.__buf())])?;
             }
-        }
+            s.launch("ln_backward", BATCH, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf())])?;
+        },
     };
-    let norm_grads_download = (spec.norm != Norm::None).then(|| {
-        quote! {
-            if let #some((g, b)) = &norm_grads {
-                s.download(g, grads.gamma.as_mut_slice())?;
-                s.download(b, grads.beta.as_mut_slice())?;
-            }
-        }
-    });
     let weight_grad = match (direct, half) {
         (true, _) => quote! {
-            s.launch("conv_backward_weights_partial", blocks_for(WEIGHT_ITEMS), &[Arg::Buf(&x), Arg::Buf(&dz), Arg::Buf(&partials)])?;
-            s.launch("conv_backward_weights_finish", OC * WINDOW, &[Arg::Buf(&partials), Arg::Buf(&d_weights)])?;
+            s.launch("conv_backward_weights_partial", blocks_for(WEIGHT_ITEMS), &[Arg::Buf(x), Arg::Buf(&dz), Arg::Buf(&partials)])?;
+            s.launch("conv_backward_weights_finish", OC * WINDOW, &[Arg::Buf(&partials), Arg::Buf(grads.weights.__buf())])?;
         },
         (false, false) => quote! {
-            s.conv_backward_filter(BATCH, &x, &dz, &d_weights)?;
+            s.conv_backward_filter(BATCH, x, &dz, grads.weights.__buf())?;
         },
         (false, true) => quote! {
-            let xa = widen(s, &x, BATCH * IH * IW * IC)?;
-            s.conv_backward_filter(BATCH, &xa, &dz, &d_weights)?;
+            let xa = widen(s, x, BATCH * IH * IW * IC)?;
+            s.conv_backward_filter(BATCH, &xa, &dz, grads.weights.__buf())?;
         },
     };
     let data_grad = match (direct, half) {
         (true, _) => quote! {
-            s.launch("conv_backward_data", blocks_for(len), &[Arg::Buf(&dz), Arg::Buf(&w), Arg::Buf(&dx)])?;
+            s.launch("conv_backward_data", blocks_for(len), &[Arg::Buf(&dz), Arg::Buf(w), Arg::Buf(dx)])?;
         },
         (false, false) => quote! {
-            s.conv_backward_data(BATCH, &w, &dz, &dx)?;
+            s.conv_backward_data(BATCH, w, &dz, dx)?;
         },
         (false, true) => {
-            let narrow = narrow(quote!(len), quote!(&dxa), quote!(&dx));
+            let narrow = narrow(quote!(len), quote!(&dxa), quote!(dx));
             quote! {
-                let wa = widen(s, &w, OC * WINDOW)?;
+                let wa = widen(s, w, OC * WINDOW)?;
                 let dxa = s.zeros::<__A>(len)?;
                 s.conv_backward_data(BATCH, &wa, &dz, &dxa)?;
                 #narrow
             }
         }
     };
+    let running_download = batch_norm.then(|| {
+        quote! {
+            if ::core::matches!(mode, #rt::Mode::Train) {
+                on_gpu.running_mean.download_into(self, &mut layer.running_mean)?;
+                on_gpu.running_var.download_into(self, &mut layer.running_var)?;
+            }
+        }
+    });
+
+    let host_ops = device_impl(spec, quote!(#rt::cuda::Cuda), |method| match method {
+        "evaluate" => quote! {
+            let on_gpu = #cuda_layer::upload(self, layer)?;
+            let x = #rt::cuda::CudaTensor::upload(self, input)?;
+            let mut y = #rt::cuda::CudaTensor::zeros(self)?;
+            on_gpu.evaluate(self, &x, &mut y)?;
+            y.download_into(self, output)
+        },
+        "forward" => quote! {
+            let mut on_gpu = #cuda_layer::upload(self, layer)?;
+            let x = #rt::cuda::CudaTensor::upload(self, input)?;
+            let mut s = #cuda_state::new(self)?;
+            on_gpu.forward(self, &x, &mut s, mode)?;
+            s.download_into(self, state)?;
+            #running_download
+            #ok(())
+        },
+        "backward_input" => quote! {
+            let on_gpu = #cuda_layer::upload(self, layer)?;
+            let s = #cuda_state::upload(self, state)?;
+            let dy = #rt::cuda::CudaTensor::upload(self, d_output)?;
+            let mut dx = #rt::cuda::CudaTensor::zeros(self)?;
+            on_gpu.backward_input(self, &s, &dy, &mut dx, mode)?;
+            dx.download_into(self, d_input)
+        },
+        "backward" => quote! {
+            let on_gpu = #cuda_layer::upload(self, layer)?;
+            let s = #cuda_state::upload(self, state)?;
+            let x = #rt::cuda::CudaTensor::upload(self, input)?;
+            let dy = #rt::cuda::CudaTensor::upload(self, d_output)?;
+            let mut g = #cuda_grads::upload(self, grads)?;
+            on_gpu.backward(self, &s, &x, &dy, &mut g, mode)?;
+            g.download_into(self, grads)
+        },
+        _ => quote! {
+            let on_gpu = #cuda_layer::upload(self, layer)?;
+            let s = #cuda_state::upload(self, state)?;
+            let x = #rt::cuda::CudaTensor::upload(self, input)?;
+            let dy = #rt::cuda::CudaTensor::upload(self, d_output)?;
+            let mut dx = #rt::cuda::CudaTensor::zeros(self)?;
+            let mut g = #cuda_grads::upload(self, grads)?;
+            on_gpu.backward_full(self, &s, &x, &dy, &mut dx, &mut g, mode)?;
+            dx.download_into(self, d_input)?;
+            g.download_into(self, grads)
+        },
+    });
+
+    let layer_doc = format!(
+        "`{layer}`'s parameters (and running statistics) in GPU memory, with its operations on \
+         tensors in GPU memory: nothing is copied between host and GPU. Create with `upload`, \
+         copy back with `download_into`; step with `Sgd::step_cuda` / `Adam::step_cuda`."
+    );
+    let grads_doc = format!("`{grads}` in GPU memory: gradients of `{cuda_layer}`'s parameters.");
+    let state_doc = format!(
+        "`{state}` in GPU memory: what `{cuda_layer}::forward` keeps for the backward pass."
+    );
+    let cuda = quote!(#rt::cuda::Cuda);
 
     quote! {
         #rt::if_cuda! {
+            #[doc = #layer_doc]
+            #[allow(dead_code)]
+            #vis struct #cuda_layer {
+                #(
+                    #[doc = ::core::concat!("Trainable parameter `", ::core::stringify!(#names), "`.")]
+                    pub #names: #param_tys,
+                )*
+                #running_fields
+            }
+
+            #[doc = #grads_doc]
+            #[allow(dead_code)]
+            #vis struct #cuda_grads {
+                #(
+                    #[doc = ::core::concat!("Gradient of `", ::core::stringify!(#names), "`.")]
+                    pub #names: #grad_tys,
+                )*
+            }
+
+            #[doc = #state_doc]
+            #[allow(dead_code)]
+            #vis struct #cuda_state {
+                #stats_fields
+                pre_activation: #y_ty,
+                output: #y_ty,
+            }
+
             // Literal arithmetic is the point of specializing (as in the CPU block).
             #[allow(clippy::all)]
             const _: () = {
@@ -605,126 +770,212 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
 
                 #widen_fn
 
-                /// The convolution with bias of `batch` images, into a new accumulator-type buffer.
-                fn conv(s: &mut Session<'_>, batch: usize, x: &Buf, w: &Buf, b: &Buf) -> #rt::Result<Buf> {
-                    let y = s.zeros::<__A>(batch * NPIX * OC)?;
+                /// The convolution with bias of `batch` images, into the accumulator-type `y`.
+                #[allow(dead_code)]
+                fn conv(s: &mut Session<'_>, batch: usize, x: &Buf, w: &Buf, b: &Buf, y: &Buf) -> #result {
                     #conv_body
-                    #ok(y)
+                    #ok(())
                 }
 
                 /// Every backward operation: the input gradient when `d_input` is given, the
                 /// parameter gradients (accumulated) when `grads` is.
                 #[allow(clippy::too_many_arguments)]
                 fn backward_pass(
-                    dev: &mut #rt::cuda::Cuda,
-                    layer: &#layer,
-                    state: &#state,
-                    input: &[__T],
-                    d_output: &[__T],
-                    d_input: ::core::option::Option<&mut [__T]>,
-                    grads: ::core::option::Option<&mut #grads>,
+                    dev: &mut #cuda,
+                    layer: &#cuda_layer,
+                    state: &#cuda_state,
+                    input: ::core::option::Option<&Buf>,
+                    d_output: &Buf,
+                    d_input: ::core::option::Option<&mut Buf>,
+                    grads: ::core::option::Option<&mut #cuda_grads>,
                     mode: #rt::Mode,
-                ) -> #rt::Result<()> {
+                ) -> #result {
                     let s = &mut dev.__session(&SETUP)?;
                     let n = BATCH * NPIX * OC;
-                    let d_out = s.upload(d_output)?;
-                    let pre = s.upload(state.pre_activation.as_slice())?;
                     let dz = s.zeros::<__A>(n)?;
-                    s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(&d_out), Arg::Buf(&pre), Arg::Buf(&dz)])?;
+                    s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(d_output), Arg::Buf(state.pre_activation.__buf()), Arg::Buf(&dz)])?;
                     #norm_backward
-                    if let #some(grads) = grads {
+                    if let (#some(grads), #some(x)) = (grads, input) {
                         let partials = s.zeros::<__A>(SCRATCH)?;
-                        let d_biases = s.upload(grads.biases.as_slice())?;
                         s.launch("bias_grad_partial", blocks_for(BIAS_ITEMS), &[Arg::Buf(&dz), Arg::Buf(&partials)])?;
-                        s.launch("bias_grad_finish", OC, &[Arg::Buf(&partials), Arg::Buf(&d_biases)])?;
-                        let x = s.upload(input)?;
-                        let d_weights = s.upload(grads.weights.as_slice())?;
+                        s.launch("bias_grad_finish", OC, &[Arg::Buf(&partials), Arg::Buf(grads.biases.__buf_mut())])?;
+                        let _ = grads.weights.__buf_mut();
                         #weight_grad
-                        s.download(&d_biases, grads.biases.as_mut_slice())?;
-                        s.download(&d_weights, grads.weights.as_mut_slice())?;
-                        #norm_grads_download
                     }
-                    if let #some(d_input) = d_input {
+                    if let #some(dx) = d_input {
                         let len = BATCH * IH * IW * IC;
-                        let w = s.upload(layer.weights.as_slice())?;
-                        let dx = s.zeros::<__T>(len)?;
+                        let w = layer.weights.__buf();
+                        let dx = &*dx;
                         #data_grad
-                        s.download(&dx, d_input)?;
                     }
                     #ok(())
                 }
 
-                impl #device for #rt::cuda::Cuda {
-                    fn evaluate<const __B: usize>(
-                        &mut self,
-                        layer: &#layer,
-                        input: &#rt::Tensor<__T, __B, IH, IW, IC>,
-                        output: &mut #rt::Tensor<__T, __B, OH, OW, OC>,
-                    ) -> #rt::Result<()> {
-                        let s = &mut self.__session(&SETUP)?;
-                        let count = __B * NPIX * OC;
-                        let x = s.upload(input.as_slice())?;
-                        let w = s.upload(layer.weights.as_slice())?;
-                        let b = s.upload(layer.biases.as_slice())?;
-                        let y = conv(s, __B, &x, &w, &b)?;
-                        #evaluate_tail
-                        s.download(&out, output.as_mut_slice())
+                impl #cuda_layer {
+                    /// A copy of `layer` (parameters and running statistics) on the GPU.
+                    pub fn upload(dev: &#cuda, layer: &#layer) -> #rt::Result<Self> {
+                        #ok(Self {
+                            #(#names: <#param_tys>::upload(dev, &layer.#names)?,)*
+                            #(#running: <#rt::cuda::CudaVector<__A, OC>>::upload(dev, &layer.#running)?,)*
+                        })
                     }
 
-                    fn forward(
-                        &mut self,
-                        layer: &mut #layer,
-                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
-                        state: &mut #state,
-                        mode: #rt::Mode,
-                    ) -> #rt::Result<()> {
-                        let s = &mut self.__session(&SETUP)?;
-                        let n = BATCH * NPIX * OC;
-                        let x = s.upload(input.as_slice())?;
-                        let w = s.upload(layer.weights.as_slice())?;
-                        let b = s.upload(layer.biases.as_slice())?;
-                        let y = conv(s, BATCH, &x, &w, &b)?;
-                        #forward_tail
+                    /// Overwrites the parameters (and running statistics) with `layer`'s.
+                    pub fn copy_from_host(&mut self, dev: &#cuda, layer: &#layer) -> #result {
+                        #(self.#names.copy_from_host(dev, &layer.#names)?;)*
+                        #(self.#running.copy_from_host(dev, &layer.#running)?;)*
                         #ok(())
                     }
 
-                    fn backward_input(
-                        &mut self,
-                        layer: &#layer,
-                        state: &#state,
-                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
-                        d_input: &mut #rt::Tensor<__T, BATCH, IH, IW, IC>,
-                        mode: #rt::Mode,
-                    ) -> #rt::Result<()> {
-                        backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode)
+                    /// Copies the parameters (and running statistics) into `layer`.
+                    pub fn download_into(&self, dev: &#cuda, layer: &mut #layer) -> #result {
+                        #(self.#names.download_into(dev, &mut layer.#names)?;)*
+                        #(self.#running.download_into(dev, &mut layer.#running)?;)*
+                        #ok(())
                     }
 
-                    fn backward(
-                        &mut self,
-                        layer: &#layer,
-                        state: &#state,
-                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
-                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
-                        grads: &mut #grads,
-                        mode: #rt::Mode,
-                    ) -> #rt::Result<()> {
-                        backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode)
+                    /// Inference on any batch, on the GPU (BatchNorm uses the running statistics).
+                    pub fn evaluate<const __B: usize>(
+                        &self,
+                        dev: &mut #cuda,
+                        input: &#rt::cuda::CudaTensor<__T, __B, IH, IW, IC>,
+                        output: &mut #rt::cuda::CudaTensor<__T, __B, OH, OW, OC>,
+                    ) -> #result {
+                        let s = &mut dev.__session(&SETUP)?;
+                        let count = __B * NPIX * OC;
+                        let (x, w, b) = (input.__buf(), self.weights.__buf(), self.biases.__buf());
+                        let out: &Buf = output.__buf_mut();
+                        #evaluate_body
+                        #ok(())
                     }
 
-                    fn backward_full(
+                    /// The training-batch forward pass into `state`, on the GPU; `Mode::Train`
+                    /// uses batch statistics and updates BatchNorm's running ones.
+                    pub fn forward(
                         &mut self,
-                        layer: &#layer,
-                        state: &#state,
-                        input: &#rt::Tensor<__T, BATCH, IH, IW, IC>,
-                        d_output: &#rt::Tensor<__T, BATCH, OH, OW, OC>,
-                        d_input: &mut #rt::Tensor<__T, BATCH, IH, IW, IC>,
-                        grads: &mut #grads,
+                        dev: &mut #cuda,
+                        input: &#x_ty,
+                        state: &mut #cuda_state,
                         mode: #rt::Mode,
-                    ) -> #rt::Result<()> {
-                        backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode)
+                    ) -> #result {
+                        let s = &mut dev.__session(&SETUP)?;
+                        let n = BATCH * NPIX * OC;
+                        let (x, w, b) = (input.__buf(), self.weights.__buf(), self.biases.__buf());
+                        #forward_body
+                        #ok(())
+                    }
+
+                    /// The input gradient of the forward pass that filled `state` (run in `mode`).
+                    pub fn backward_input(
+                        &self,
+                        dev: &mut #cuda,
+                        state: &#cuda_state,
+                        d_output: &#y_ty,
+                        d_input: &mut #x_ty,
+                        mode: #rt::Mode,
+                    ) -> #result {
+                        backward_pass(dev, self, state, #none, d_output.__buf(), #some(d_input.__buf_mut()), #none, mode)
+                    }
+
+                    /// Adds the parameter gradients of the forward pass that filled `state` into
+                    /// `grads`.
+                    pub fn backward(
+                        &self,
+                        dev: &mut #cuda,
+                        state: &#cuda_state,
+                        input: &#x_ty,
+                        d_output: &#y_ty,
+                        grads: &mut #cuda_grads,
+                        mode: #rt::Mode,
+                    ) -> #result {
+                        backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #none, #some(grads), mode)
+                    }
+
+                    /// `backward_input` and `backward` in one pass.
+                    #[allow(clippy::too_many_arguments)]
+                    pub fn backward_full(
+                        &self,
+                        dev: &mut #cuda,
+                        state: &#cuda_state,
+                        input: &#x_ty,
+                        d_output: &#y_ty,
+                        d_input: &mut #x_ty,
+                        grads: &mut #cuda_grads,
+                        mode: #rt::Mode,
+                    ) -> #result {
+                        backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #some(d_input.__buf_mut()), #some(grads), mode)
+                    }
+                }
+
+                impl #rt::cuda::CudaParameters for #cuda_layer {
+                    type Elem = __T;
+                    type Grads = #cuda_grads;
+
+                    fn visit_cuda_mut(
+                        &mut self,
+                        grads: &#cuda_grads,
+                        f: &mut dyn FnMut(&str, &mut dyn #rt::cuda::CudaParamTensor, &Buf),
+                    ) {
+                        #(f(::core::stringify!(#names), &mut self.#names, grads.#names.__buf());)*
+                    }
+                }
+
+                impl #cuda_grads {
+                    /// Zero gradients on the GPU.
+                    pub fn zeros(dev: &#cuda) -> #rt::Result<Self> {
+                        #ok(Self { #(#names: <#grad_tys>::zeros(dev)?,)* })
+                    }
+
+                    /// A copy of `grads` on the GPU.
+                    pub fn upload(dev: &#cuda, grads: &#grads) -> #rt::Result<Self> {
+                        #ok(Self { #(#names: <#grad_tys>::upload(dev, &grads.#names)?,)* })
+                    }
+
+                    /// Sets every gradient to zero.
+                    pub fn zero(&mut self, dev: &#cuda) -> #result {
+                        #(self.#names.zero(dev)?;)*
+                        #ok(())
+                    }
+
+                    /// Copies the gradients into `grads`.
+                    pub fn download_into(&self, dev: &#cuda, grads: &mut #grads) -> #result {
+                        #(self.#names.download_into(dev, &mut grads.#names)?;)*
+                        #ok(())
+                    }
+                }
+
+                impl #cuda_state {
+                    /// Zeroed state on the GPU.
+                    pub fn new(dev: &#cuda) -> #rt::Result<Self> {
+                        #ok(Self { #(#state_names: <#state_tys>::zeros(dev)?,)* })
+                    }
+
+                    /// A copy of `state` on the GPU.
+                    pub fn upload(dev: &#cuda, state: &#state) -> #rt::Result<Self> {
+                        let mut s = Self::new(dev)?;
+                        #(s.#state_names.copy_from_host(dev, &state.#state_names)?;)*
+                        #ok(s)
+                    }
+
+                    /// Copies the state into `state`.
+                    pub fn download_into(&self, dev: &#cuda, state: &mut #state) -> #result {
+                        #(self.#state_names.download_into(dev, &mut state.#state_names)?;)*
+                        #ok(())
+                    }
+
+                    /// The output of the last forward pass.
+                    pub fn output(&self) -> &#y_ty {
+                        &self.output
+                    }
+
+                    /// The activation's input in the last forward pass.
+                    pub fn pre_activation(&self) -> &#y_ty {
+                        &self.pre_activation
                     }
                 }
             };
+
+            #host_ops
         }
     }
 }
@@ -732,7 +983,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::{Activation, Init};
+    use crate::spec::Init;
 
     fn spec(input: [usize; 3], oc: usize, kernel: usize, stride: usize, batch: usize) -> Spec {
         Spec {
@@ -779,6 +1030,24 @@ mod tests {
         assert!(!direct(&spec([224, 224, 3], 64, 3, 1, 16)));
         // A ResNet block: cuDNN.
         assert!(!direct(&spec([56, 56, 64], 64, 3, 1, 8)));
+    }
+
+    #[test]
+    fn fused_inference_for_cudnn_relu_without_norm() {
+        let mut s = spec([56, 56, 64], 64, 3, 1, 8);
+        assert!(fused(&s, direct(&s)));
+        s.dtype = Dtype::Bf16;
+        assert!(fused(&s, direct(&s)));
+        s.dtype = Dtype::F64;
+        assert!(!fused(&s, direct(&s)));
+        s.dtype = Dtype::F32;
+        s.activation = Activation::Gelu;
+        assert!(!fused(&s, direct(&s)));
+        s.activation = Activation::Relu;
+        s.norm = Norm::LayerNorm { eps: 1e-5 };
+        assert!(!fused(&s, direct(&s)));
+        let small = spec([8, 8, 3], 4, 3, 1, 2);
+        assert!(!fused(&small, direct(&small)));
     }
 
     #[test]

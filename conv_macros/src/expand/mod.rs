@@ -52,7 +52,7 @@ pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ide
         stub("forward", quote!(&mut self,), 4, result.clone()),
         stub("backward_input", quote!(&self,), 5, result.clone()),
         stub("backward", quote!(&self,), 6, result.clone()),
-        stub("backward_full", quote!(&self,), 7, result),
+        stub("backward_full", quote!(&self,), 7, result.clone()),
         stub("copy_from", quote!(&mut self,), 1, quote!(())),
         stub("abs_diff", quote!(&self,), 1, quote!(f64)),
         stub("is_nan", quote!(&self,), 0, quote!(bool)),
@@ -70,6 +70,15 @@ pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ide
         stub("reset", quote!(&mut self,), 0, quote!(())),
         stub("is_nan", quote!(&self,), 0, quote!(bool)),
     ];
+    // The device-resident types (see `cuda::device`), with their constructors.
+    let cuda_layer = format_ident!("{}Cuda", name);
+    let cuda_grads = format_ident!("{}CudaGrads", name);
+    let cuda_state = format_ident!("{}CudaState", name);
+    let cuda_methods = [
+        stub("upload", quote!(), 2, quote!(#rt::Result<Self>)),
+        stub("zeros", quote!(), 1, quote!(#rt::Result<Self>)),
+        stub("new", quote!(), 1, quote!(#rt::Result<Self>)),
+    ];
     quote! {
         #(#attrs)* #vis struct #name;
         #[allow(dead_code)]
@@ -86,6 +95,23 @@ pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ide
         #[allow(dead_code)]
         impl #state {
             #(#state_methods)*
+        }
+        #rt::if_cuda! {
+            #vis struct #cuda_layer;
+            #vis struct #cuda_grads;
+            #vis struct #cuda_state;
+            #[allow(dead_code)]
+            impl #cuda_layer {
+                #(#cuda_methods)*
+            }
+            #[allow(dead_code)]
+            impl #cuda_grads {
+                #(#cuda_methods)*
+            }
+            #[allow(dead_code)]
+            impl #cuda_state {
+                #(#cuda_methods)*
+            }
         }
     }
 }
