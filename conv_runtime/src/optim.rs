@@ -167,7 +167,8 @@ impl<A: Real> Sgd<A> {
 
     /// One step on parameters that live on the GPU, with the same arithmetic as [`Sgd::step`]
     /// (bit for bit); its state stays on the GPU. An optimizer steps one parameter set, on the
-    /// CPU or on one GPU.
+    /// CPU or on one GPU. After an error some tensors may have been stepped and others not:
+    /// reset the optimizer (and restore the parameters) before going on.
     #[cfg(feature = "cuda")]
     pub fn step_cuda<P: crate::cuda::CudaParameters>(
         &mut self,
@@ -281,7 +282,8 @@ impl<A: Real> Adam<A> {
 
     /// One step on parameters that live on the GPU, with the same arithmetic as [`Adam::step`]
     /// (bit for bit); its state stays on the GPU. An optimizer steps one parameter set, on the
-    /// CPU or on one GPU.
+    /// CPU or on one GPU. After an error some tensors may have been stepped and others not:
+    /// reset the optimizer (and restore the parameters) before going on.
     #[cfg(feature = "cuda")]
     pub fn step_cuda<P: crate::cuda::CudaParameters>(
         &mut self,

@@ -509,8 +509,12 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
 
     let fused = plan.fused;
     let evaluate_body = match spec.norm {
+        // The separate calls where cuDNN turns the fused one down (`conv_forward_relu` says so).
         Norm::None if fused && !half => quote! {
-            s.conv_forward_relu(__B, x, w, b, out)?;
+            if !s.conv_forward_relu(__B, x, w, b, out)? {
+                conv(s, __B, x, w, b, out)?;
+                s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(out), Arg::Buf(out)])?;
+            }
         },
         Norm::None if fused => {
             let narrow = narrow(quote!(count), quote!(&y), quote!(out));
@@ -519,8 +523,12 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 let wa = widen(s, w, OC * WINDOW)?;
                 let ba = widen(s, b, OC)?;
                 let y = s.zeros::<__A>(count)?;
-                s.conv_forward_relu(__B, &xa, &wa, &ba, &y)?;
-                #narrow
+                if s.conv_forward_relu(__B, &xa, &wa, &ba, &y)? {
+                    #narrow
+                } else {
+                    s.conv_forward(__B, &xa, &wa, &ba, &y)?;
+                    s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(&y), Arg::Buf(out)])?;
+                }
             }
         }
         Norm::None => quote! {

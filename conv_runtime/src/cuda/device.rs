@@ -8,8 +8,8 @@
 //! thread; each device loads the module once and resolves every kernel the layer lists. cuDNN
 //! descriptors are built once per layer type and batch (in the setup); the algorithms are chosen
 //! once per device, layer type and batch: cuDNN's heuristic for the forward convolution and the
-//! first deterministic algorithm for the two gradients, all with `CUDNN_FMA_MATH` (TF32 would
-//! round the operands).
+//! first deterministic algorithm for the two gradients (the first that runs where none is
+//! deterministic), all with `CUDNN_FMA_MATH` (TF32 would round the operands).
 //!
 //! The operations take host tensors: a [`Session`] uploads what a kernel reads, runs the
 //! recipe of `conv_macros::expand::cuda` and downloads the results. Gradients accumulate on
@@ -75,11 +75,20 @@ pub(super) fn driver(operation: &str, e: cudarc::driver::DriverError) -> Error {
 
 fn cudnn(operation: &str, status: dnn::cudnnStatus_t) -> Result<()> {
     if status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS {
-        Ok(())
-    } else {
-        Err(Error::new(operation, format!("{status:?}")))
+        return Ok(());
     }
+    let mut reason = format!("{status:?}");
+    if status == dnn::cudnnStatus_t::CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED {
+        if let Some(failures) = SUBLIBRARY_FAILURES.get().filter(|f| !f.is_empty()) {
+            reason.push_str(&format!(" ({})", failures.join("; ")));
+        }
+    }
+    Err(Error::new(operation, reason))
 }
+
+/// cuDNN sub-libraries that failed to load when cuDNN was loaded by path, with the loader's
+/// reasons.
+static SUBLIBRARY_FAILURES: OnceLock<Vec<String>> = OnceLock::new();
 
 /// A convolution's sizes, as literals in the generated code of a cuDNN layer.
 #[derive(Clone, Copy, Debug)]
@@ -236,13 +245,14 @@ impl Descriptors {
             dnn::cudnnSetConvolutionMathType(conv.0, dnn::cudnnMathType_t::CUDNN_FMA_MATH)
         })?;
         let relu = ActivationDesc::new()?;
-        // max(x, 0) exactly: no ceiling (`coef` is read only by clipped ReLU), NaN passed on.
+        // max(x, 0): no ceiling (`coef` is read only by clipped ReLU); NaN becomes 0, as in the
+        // generated ReLU (`x > 0 ? x : 0`), and the only setting the fused call supports.
         // SAFETY: a descriptor just created.
         cudnn("cudnnSetActivationDescriptor", unsafe {
             dnn::cudnnSetActivationDescriptor(
                 relu.0,
                 dnn::cudnnActivationMode_t::CUDNN_ACTIVATION_RELU,
-                dnn::cudnnNanPropagation_t::CUDNN_PROPAGATE_NAN,
+                dnn::cudnnNanPropagation_t::CUDNN_NOT_PROPAGATE_NAN,
                 0.0,
             )
         })?;
@@ -372,6 +382,25 @@ struct Algorithms {
     filter_bytes: usize,
 }
 
+/// The algorithm to run among cuDNN's ranked candidates `(status, determinism, algorithm)`: the
+/// first deterministic one cuDNN can run, so that training is reproducible; else the first it
+/// can run at all (a layer is better slower-to-reproduce than unusable).
+fn pick<A: Copy>(
+    operation: &str,
+    candidates: impl Iterator<Item = (dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A)> + Clone,
+) -> Result<A> {
+    let runs = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A)| {
+        c.0 == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
+    };
+    let deterministic = candidates
+        .clone()
+        .find(|c| runs(c) && c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC);
+    deterministic
+        .or_else(|| candidates.clone().find(runs))
+        .map(|c| c.2)
+        .ok_or_else(|| Error::new(operation, "no algorithm supports the layer"))
+}
+
 /// A layer type's module on one device: every kernel it lists, by name.
 struct Kernels(HashMap<&'static str, CudaFunction>);
 
@@ -385,6 +414,8 @@ pub struct Cuda {
     workspace: Option<CudaSlice<u8>>,
     modules: HashMap<usize, Arc<Kernels>>,
     algorithms: HashMap<(usize, usize), Algorithms>,
+    /// Layer types and batches whose fused convolution + bias + ReLU cuDNN does not support.
+    unfused: std::collections::HashSet<(usize, usize)>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -445,6 +476,7 @@ impl Cuda {
             workspace: None,
             modules: HashMap::new(),
             algorithms: HashMap::new(),
+            unfused: Default::default(),
         })
     }
 
@@ -557,19 +589,12 @@ impl Cuda {
                 bwd.as_mut_ptr(),
             )
         })?;
-        let data = bwd[..count.max(0) as usize]
-            .iter()
-            .find(|p| {
-                p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
-                    && p.determinism == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC
-            })
-            .ok_or_else(|| {
-                Error::new(
-                    "cudnnGetConvolutionBackwardDataAlgorithm_v7",
-                    "no deterministic algorithm supports the layer",
-                )
-            })?
-            .algo;
+        let data = pick(
+            "cudnnGetConvolutionBackwardDataAlgorithm_v7",
+            bwd[..count.max(0) as usize]
+                .iter()
+                .map(|p| (p.status, p.determinism, p.algo)),
+        )?;
         let mut flt: [dnn::cudnnConvolutionBwdFilterAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
         cudnn("cudnnGetConvolutionBackwardFilterAlgorithm_v7", unsafe {
             dnn::cudnnGetConvolutionBackwardFilterAlgorithm_v7(
@@ -583,19 +608,12 @@ impl Cuda {
                 flt.as_mut_ptr(),
             )
         })?;
-        let filter = flt[..count.max(0) as usize]
-            .iter()
-            .find(|p| {
-                p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
-                    && p.determinism == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC
-            })
-            .ok_or_else(|| {
-                Error::new(
-                    "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
-                    "no deterministic algorithm supports the layer",
-                )
-            })?
-            .algo;
+        let filter = pick(
+            "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
+            flt[..count.max(0) as usize]
+                .iter()
+                .map(|p| (p.status, p.determinism, p.algo)),
+        )?;
         let (mut forward_bytes, mut data_bytes, mut filter_bytes) = (0usize, 0usize, 0usize);
         // SAFETY: live handle and descriptors, valid out-pointers.
         cudnn("cudnnGetConvolutionForwardWorkspaceSize", unsafe {
@@ -785,7 +803,9 @@ impl Session<'_> {
     }
 
     /// `y = max(conv(x, w) + bias, 0)` in one cuDNN call (`cudnnConvolutionBiasActivationForward`,
-    /// rl_tools' fused path), `batch` images (accumulator-type buffers).
+    /// rl_tools' fused path), `batch` images (accumulator-type buffers). `Ok(false)` when cuDNN
+    /// does not support the fused call for this layer (remembered per layer type and batch):
+    /// the caller then runs the separate calls.
     pub fn conv_forward_relu(
         &mut self,
         batch: usize,
@@ -793,16 +813,22 @@ impl Session<'_> {
         w: &Buf,
         bias: &Buf,
         y: &Buf,
-    ) -> Result<()> {
+    ) -> Result<bool> {
         let operation = "cudnnConvolutionBiasActivationForward";
         self.check(operation, &[x, w, bias, y])?;
+        let key = (self.setup.id(), batch);
+        if self.dev.unfused.contains(&key) {
+            return Ok(false);
+        }
         let d = self.setup.descriptors(batch)?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.forward_bytes)?;
         let (zero, one, _) = self.scalars(&d);
-        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes. `z` is
-        // `y` with alpha2 = 0 (the residual input unused), as cuDNN allows.
-        cudnn(operation, unsafe {
+        // `z` is `y` scaled by alpha2 = 0; cleared first, so that whatever `y` held (an
+        // infinity times zero is NaN) cannot reach the result.
+        self.clear(y)?;
+        // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
+        let status = unsafe {
             dnn::cudnnConvolutionBiasActivationForward(
                 self.dev.handle.0,
                 one.as_ptr().cast(),
@@ -823,7 +849,27 @@ impl Session<'_> {
                 d.y.0,
                 y.ptr() as *mut c_void,
             )
-        })
+        };
+        if status == dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+            self.dev.unfused.insert(key);
+            return Ok(false);
+        }
+        cudnn(operation, status).map(|()| true)
+    }
+
+    /// Sets every byte of `buf` to zero (queued on the stream).
+    pub fn clear(&self, buf: &Buf) -> Result<()> {
+        buf.check(self.dev, "cuMemsetD8Async")?;
+        // SAFETY: the buffer's own address and length, on its own GPU's stream.
+        unsafe {
+            cudarc::driver::result::memset_d8_async(
+                buf.ptr(),
+                0,
+                buf.len(),
+                self.dev.stream.cu_stream(),
+            )
+        }
+        .map_err(|e| driver("cuMemsetD8Async", e))
     }
 
     /// `y = conv(x, w) + bias` in cuDNN, `batch` images (accumulator-type buffers).
@@ -1003,8 +1049,10 @@ fn preload_cudnn(dir: &Path) -> std::result::Result<Vec<libloading::Library>, St
         })
         .collect();
     let mut loaded = Vec::new();
+    let mut failures = Vec::new();
     while !pending.is_empty() {
         let before = pending.len();
+        failures.clear();
         pending.retain(|path| {
             // SAFETY: NVIDIA's libraries, whose initializers have no preconditions.
             match unsafe { libloading::Library::new(path) } {
@@ -1012,13 +1060,19 @@ fn preload_cudnn(dir: &Path) -> std::result::Result<Vec<libloading::Library>, St
                     loaded.push(lib);
                     false
                 }
-                Err(_) => true,
+                Err(e) => {
+                    failures.push(format!("{}: {e}", path.display()));
+                    true
+                }
             }
         });
         if pending.len() == before {
             break;
         }
     }
+    // Kept for the error of a cuDNN call that needs one of them (cuDNN only says that a
+    // sub-library failed to load).
+    let _ = SUBLIBRARY_FAILURES.set(failures);
     let main = dir.join(CUDNN_LIBRARY);
     // SAFETY: as above.
     let lib = unsafe { libloading::Library::new(&main) }
