@@ -9,7 +9,7 @@
 //!
 //! Network: conv1 `[8,8,1] -> 16`, kernel 3, padding 1, ReLU; conv2 `[8,8,16] -> 32`, kernel
 //! 3, stride 2, padding 1, BatchNorm, ReLU; a linear read-out `4*4*32 = 512 -> 10` with softmax
-//! cross-entropy, written here (as in `tests/training.rs`). Adam on all three, minibatches of 32,
+//! cross-entropy (`conv_runtime::head::Linear`). Adam on all three, minibatches of 32,
 //! learning rate 5e-3 decayed to 0 over the run on a cosine (20 epochs by default).
 //!
 //! Data: pixels scaled to [0, 1]. A fixed split (a shuffle with its own seed, independent of
@@ -37,6 +37,7 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
+use conv_runtime::head::{argmax, Linear, LinearGrads};
 use conv_runtime::prelude::*;
 use conv_runtime::safetensors::{Reader, Writer};
 
@@ -184,111 +185,9 @@ pub fn split(all: &Digits) -> (Digits, Digits) {
 // ---------------------------------------------------------------------------------------------
 // The read-out
 
-/// logits = W h + b, W row-major [CLASSES][FEATURES] (stored flat, so its saved shape is
-/// `[CLASSES * FEATURES]`).
-pub struct Readout {
-    pub w: Vector<f32, { CLASSES * FEATURES }>,
-    pub b: Vector<f32, CLASSES>,
-}
-
-pub struct ReadoutGrads {
-    w: Vector<f32, { CLASSES * FEATURES }>,
-    b: Vector<f32, CLASSES>,
-}
-
-impl ReadoutGrads {
-    fn zero(&mut self) {
-        self.w.fill(0.0);
-        self.b.fill(0.0);
-    }
-}
-
-impl Parameters for Readout {
-    type Elem = f32;
-    type Grads = ReadoutGrads;
-
-    fn visit_mut(
-        &mut self,
-        grads: &ReadoutGrads,
-        f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>, &[f32]),
-    ) {
-        f("w", &mut self.w, grads.w.as_slice());
-        f("b", &mut self.b, grads.b.as_slice());
-    }
-
-    fn visit(&self, f: &mut dyn FnMut(&str, &[f32])) {
-        f("w", self.w.as_slice());
-        f("b", self.b.as_slice());
-    }
-
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>)) {
-        f("w", &mut self.w);
-        f("b", &mut self.b);
-    }
-}
-
-impl Readout {
-    /// PyTorch's `nn.Linear` initialization.
-    fn new(rng: &mut Rng) -> Self {
-        let bound = 1.0 / (FEATURES as f64).sqrt();
-        Self {
-            w: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
-            b: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
-        }
-    }
-
-    /// Logits of each sample of `h` (`FEATURES` values per sample).
-    fn logits(&self, h: &[f32]) -> Vec<[f32; CLASSES]> {
-        let (w, b) = (self.w.as_slice(), self.b.as_slice());
-        h.chunks_exact(FEATURES)
-            .map(|h| {
-                std::array::from_fn(|k| {
-                    let row = &w[k * FEATURES..(k + 1) * FEATURES];
-                    b[k] + row.iter().zip(h).map(|(a, b)| a * b).sum::<f32>()
-                })
-            })
-            .collect()
-    }
-
-    /// Mean softmax cross-entropy of the batch and its number of correct predictions; adds the
-    /// read-out's gradients into `grads` and writes the gradient with respect to `h` into `d_h`.
-    fn loss_and_backward(
-        &self,
-        h: &[f32],
-        labels: &[usize],
-        grads: &mut ReadoutGrads,
-        d_h: &mut [f32],
-    ) -> (f32, usize) {
-        let n = labels.len() as f32;
-        let w = self.w.as_slice();
-        let (mut loss, mut correct) = (0.0f32, 0);
-        for (i, (z, &label)) in self.logits(h).iter().zip(labels).enumerate() {
-            correct += usize::from(argmax(z) == label);
-            let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let exp: [f32; CLASSES] = std::array::from_fn(|k| (z[k] - max).exp());
-            let sum: f32 = exp.iter().sum();
-            loss += sum.ln() + max - z[label];
-            let h_i = &h[i * FEATURES..(i + 1) * FEATURES];
-            let d_h_i = &mut d_h[i * FEATURES..(i + 1) * FEATURES];
-            d_h_i.fill(0.0);
-            for k in 0..CLASSES {
-                let d_z = (exp[k] / sum - if k == label { 1.0 } else { 0.0 }) / n;
-                grads.b.as_mut_slice()[k] += d_z;
-                let d_w = &mut grads.w.as_mut_slice()[k * FEATURES..(k + 1) * FEATURES];
-                let w_k = &w[k * FEATURES..(k + 1) * FEATURES];
-                for j in 0..FEATURES {
-                    d_w[j] += d_z * h_i[j];
-                    d_h_i[j] += d_z * w_k[j];
-                }
-            }
-        }
-        (loss / n, correct)
-    }
-}
-
-fn argmax(z: &[f32; CLASSES]) -> usize {
-    (0..CLASSES).fold(0, |best, k| if z[k] > z[best] { k } else { best })
-}
+/// `logits = W h + b` with soft-max cross-entropy: the runtime's dense head, saved as
+/// `readout.weight` (`[CLASSES, 1, 1, FEATURES]`) and `readout.bias`.
+pub type Readout = Linear<f32, FEATURES, CLASSES>;
 
 // ---------------------------------------------------------------------------------------------
 // The network
@@ -324,7 +223,7 @@ impl Model {
         let mut h2 = Tensor::<f32, TEST, 4, 4, 32>::zeros();
         self.conv1.evaluate(device, &x, &mut h1)?;
         self.conv2.evaluate(device, &h1, &mut h2)?;
-        Ok(self.readout.logits(h2.as_slice()))
+        self.readout.logits(h2.as_slice())
     }
 
     /// Fraction of the test set classified correctly.
@@ -337,7 +236,7 @@ impl Model {
         let correct = logits
             .iter()
             .zip(&test.labels)
-            .filter(|(z, &label)| argmax(z) == label)
+            .filter(|(z, &label)| argmax(&z[..]) == label)
             .count();
         Ok(correct as f64 / test.len() as f64)
     }
@@ -406,10 +305,7 @@ pub fn train(
     );
     let mut grads1 = Conv1Grads::zeros();
     let mut grads2 = Conv2Grads::zeros();
-    let mut grads_readout = ReadoutGrads {
-        w: Vector::zeros(),
-        b: Vector::zeros(),
-    };
+    let mut grads_readout = LinearGrads::zeros();
     let mut state1 = Conv1State::new();
     let mut state2 = Conv2State::new();
     let mut x = Tensor::<f32, BATCH, 8, 8, 1>::zeros();
@@ -443,12 +339,13 @@ pub fn train(
             model
                 .conv2
                 .forward(device, state1.output(), &mut state2, Mode::Train)?;
-            let (loss, hits) = model.readout.loss_and_backward(
+            let loss = model.readout.softmax_cross_entropy(
                 state2.output().as_slice(),
                 &labels,
                 &mut grads_readout,
                 d_h2.as_mut_slice(),
-            );
+            )?;
+            let (loss, hits) = (loss.mean, loss.correct);
             // conv1's input needs no gradient: only its parameters'.
             model.conv2.backward_full(
                 device,

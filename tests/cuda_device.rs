@@ -228,6 +228,19 @@ macro_rules! equivalence {
                     for ((name, c), (_, g)) in gradients(&layer, &g_cpu).iter().zip(&gradients(&layer, &g_host)) {
                         same(&format!("resident d_{name}"), c, g, tol);
                     }
+                    // `backward` adds into every gradient; `backward_input` overwrites `d_input`.
+                    on_gpu.backward(&mut cuda, &s_gpu, &x_gpu, &dy_gpu, &mut g_gpu, Mode::Train).unwrap();
+                    let mut g_twice = LayerGrads::zeros();
+                    g_gpu.download_into(&cuda, &mut g_twice).unwrap();
+                    for ((name, once), (_, twice)) in gradients(&layer, &g_host).iter().zip(&gradients(&layer, &g_twice)) {
+                        let doubled: Vec<_> = once.iter().map(|&g| g + g).collect();
+                        same(&format!("resident backward accumulates d_{name}"), &doubled, twice, tol);
+                    }
+                    g_gpu = LayerCudaGrads::upload(&cuda, &g_host).unwrap();
+                    let nan = Input::from_fn(|_| <T as Element>::from_f64(f64::NAN));
+                    let mut dx_split = CudaTensor::upload(&cuda, &nan).unwrap();
+                    on_gpu.backward_input(&mut cuda, &s_gpu, &dy_gpu, &mut dx_split, Mode::Train).unwrap();
+                    same("resident backward_input", dx_gpu.download(&cuda).unwrap().as_slice(), dx_split.download(&cuda).unwrap().as_slice(), tol);
                     if step < 2 {
                         adam_cpu.step(&mut reference, &g_host);
                         adam_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
@@ -336,6 +349,7 @@ fn device_reports_itself() {
 /// order).
 mod training {
     use super::gpu;
+    use conv_runtime::head::{argmax, Linear, LinearGrads};
     use conv_runtime::prelude::*;
 
     const SIDE: usize = 16;
@@ -384,84 +398,8 @@ mod training {
         (images, labels)
     }
 
-    struct Readout {
-        w: Vector<f32, { CLASSES * FEATURES }>,
-        b: Vector<f32, CLASSES>,
-    }
-
-    impl Parameters for Readout {
-        type Elem = f32;
-        type Grads = Readout;
-
-        fn visit_mut(
-            &mut self,
-            grads: &Readout,
-            f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>, &[f32]),
-        ) {
-            f("w", &mut self.w, grads.w.as_slice());
-            f("b", &mut self.b, grads.b.as_slice());
-        }
-
-        fn visit(&self, f: &mut dyn FnMut(&str, &[f32])) {
-            f("w", self.w.as_slice());
-            f("b", self.b.as_slice());
-        }
-
-        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>)) {
-            f("w", &mut self.w);
-            f("b", &mut self.b);
-        }
-    }
-
-    impl Readout {
-        fn logits(&self, h: &[f32]) -> Vec<[f32; CLASSES]> {
-            let w = self.w.as_slice();
-            h.chunks_exact(FEATURES)
-                .map(|h| {
-                    let mut z = [0.0f32; CLASSES];
-                    for (k, z) in z.iter_mut().enumerate() {
-                        let row = &w[k * FEATURES..(k + 1) * FEATURES];
-                        *z = self.b.as_slice()[k]
-                            + row.iter().zip(h).map(|(a, b)| a * b).sum::<f32>();
-                    }
-                    z
-                })
-                .collect()
-        }
-
-        /// Mean softmax cross-entropy; adds the read-out's gradients into `grads`, writes the
-        /// gradient at `h` into `d_h`.
-        fn loss_and_backward(
-            &self,
-            h: &[f32],
-            labels: &[usize],
-            grads: &mut Readout,
-            d_h: &mut [f32],
-        ) -> f32 {
-            let n = labels.len() as f32;
-            let w = self.w.as_slice();
-            let mut loss = 0.0f32;
-            for (i, (z, &label)) in self.logits(h).iter().zip(labels).enumerate() {
-                let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-                let exp: Vec<f32> = z.iter().map(|&v| (v - max).exp()).collect();
-                let sum: f32 = exp.iter().sum();
-                loss += sum.ln() + max - z[label];
-                let h_i = &h[i * FEATURES..(i + 1) * FEATURES];
-                let d_h_i = &mut d_h[i * FEATURES..(i + 1) * FEATURES];
-                d_h_i.fill(0.0);
-                for k in 0..CLASSES {
-                    let d_z = (exp[k] / sum - if k == label { 1.0 } else { 0.0 }) / n;
-                    grads.b.as_mut_slice()[k] += d_z;
-                    let d_w = &mut grads.w.as_mut_slice()[k * FEATURES..(k + 1) * FEATURES];
-                    for j in 0..FEATURES {
-                        d_w[j] += d_z * h_i[j];
-                        d_h_i[j] += d_z * w[k * FEATURES + j];
-                    }
-                }
-            }
-            loss / n
-        }
-    }
+    /// The read-out on the host (`conv_runtime::head::Linear`).
+    type Readout = Linear<f32, FEATURES, CLASSES>;
 
     /// Epoch losses and held-out accuracy of one run. The convolutions' parameters, states,
     /// gradients and optimizer state stay on the GPU for the whole run; per minibatch the
@@ -472,18 +410,11 @@ mod training {
         let (test_x, test_y) = dataset(TEST, &mut rng);
         let mut conv1 = Conv1Cuda::upload(cuda, &Conv1::new(&mut rng)).unwrap();
         let mut conv2 = Conv2Cuda::upload(cuda, &Conv2::new(&mut rng)).unwrap();
-        let bound = 1.0 / (FEATURES as f64).sqrt();
-        let mut readout = Readout {
-            w: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
-            b: Vector::zeros(),
-        };
+        let mut readout = Readout::new(&mut rng);
         let (mut adam1, mut adam2, mut adam3) = (Adam::new(1e-2), Adam::new(1e-2), Adam::new(1e-2));
         let mut g1 = Conv1CudaGrads::zeros(cuda).unwrap();
         let mut g2 = Conv2CudaGrads::zeros(cuda).unwrap();
-        let mut g3 = Readout {
-            w: Vector::zeros(),
-            b: Vector::zeros(),
-        };
+        let mut g3 = LinearGrads::zeros();
         let mut s1 = Conv1CudaState::new(cuda).unwrap();
         let mut s2 = Conv2CudaState::new(cuda).unwrap();
         let mut x = Tensor::<f32, BATCH, 16, 16, 1>::zeros();
@@ -514,7 +445,10 @@ mod training {
                     .forward(cuda, s1.output(), &mut s2, Mode::Train)
                     .unwrap();
                 s2.output().download_into(cuda, &mut h).unwrap();
-                let loss = readout.loss_and_backward(h.as_slice(), &labels, &mut g3, &mut d_h);
+                let loss = readout
+                    .softmax_cross_entropy(h.as_slice(), &labels, &mut g3, &mut d_h)
+                    .unwrap()
+                    .mean;
                 assert!(loss.is_finite(), "loss {loss}");
                 d_out2.as_mut_slice().copy_from_slice(&d_h);
                 d_out2_gpu.copy_from_host(cuda, &d_out2).unwrap();
@@ -537,10 +471,7 @@ mod training {
                 adam3.step(&mut readout, &g3);
                 g1.zero(cuda).unwrap();
                 g2.zero(cuda).unwrap();
-                g3 = Readout {
-                    w: Vector::zeros(),
-                    b: Vector::zeros(),
-                };
+                g3.zero();
                 epoch += loss;
             }
             losses.push(epoch / (TRAIN / BATCH) as f32);
@@ -555,14 +486,12 @@ mod training {
         conv1.evaluate(cuda, &x_test, &mut y1).unwrap();
         conv2.evaluate(cuda, &y1, &mut y2).unwrap();
         let y2 = y2.download(cuda).unwrap();
-        let argmax = |z: &[f32; CLASSES]| {
-            (0..CLASSES).fold(0, |best, k| if z[k] > z[best] { k } else { best })
-        };
         let correct = readout
             .logits(y2.as_slice())
+            .unwrap()
             .iter()
             .zip(&test_y)
-            .filter(|(z, &label)| argmax(z) == label)
+            .filter(|(z, &label)| argmax(&z[..]) == label)
             .count();
         (losses, correct as f64 / TEST as f64)
     }

@@ -3,8 +3,8 @@
 //!
 //! Network: conv1 ([16,16,1] -> 8 channels, kernel 3, stride 2, padding 1, ReLU) -> conv2
 //! ([8,8,8] -> 16 channels, kernel 3, stride 2, padding 1, BatchNorm, ReLU) -> a linear read-out
-//! (4x4x16 = 256 -> 4) with softmax cross-entropy, written here and trained with the same `Adam`
-//! through its own `Parameters` implementation. Trained with minibatches of 32 on 1024 images,
+//! (4x4x16 = 256 -> 4, `conv_runtime::head::Linear`) with softmax cross-entropy, trained with the
+//! same `Adam` through its `Parameters` implementation. Trained with minibatches of 32 on 1024 images,
 //! evaluated with `evaluate` (BatchNorm running statistics) on 512 held-out images in one batch.
 //! Once with f32 layers and once with bf16 layers (the read-out stays f32; tensors are converted
 //! at the boundary). Both must reach >= 95% test accuracy, and two runs with the same seed must
@@ -12,6 +12,7 @@
 
 use std::time::Instant;
 
+use conv_runtime::head::{argmax, Linear, LinearGrads};
 use conv_runtime::prelude::*;
 
 const SIDE: usize = 16;
@@ -58,112 +59,8 @@ fn dataset(n: usize, rng: &mut Rng) -> Dataset {
     Dataset { images, labels }
 }
 
-/// The linear read-out: logits = W h + b, W row-major [CLASSES][FEATURES].
-struct Readout {
-    w: Vector<f32, { CLASSES * FEATURES }>,
-    b: Vector<f32, CLASSES>,
-}
-
-struct ReadoutGrads {
-    w: Vector<f32, { CLASSES * FEATURES }>,
-    b: Vector<f32, CLASSES>,
-}
-
-impl ReadoutGrads {
-    fn zeros() -> Self {
-        Self {
-            w: Vector::zeros(),
-            b: Vector::zeros(),
-        }
-    }
-}
-
-impl Parameters for Readout {
-    type Elem = f32;
-    type Grads = ReadoutGrads;
-
-    fn visit_mut(
-        &mut self,
-        grads: &ReadoutGrads,
-        f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>, &[f32]),
-    ) {
-        f("w", &mut self.w, grads.w.as_slice());
-        f("b", &mut self.b, grads.b.as_slice());
-    }
-
-    fn visit(&self, f: &mut dyn FnMut(&str, &[f32])) {
-        f("w", self.w.as_slice());
-        f("b", self.b.as_slice());
-    }
-
-    fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<f32>)) {
-        f("w", &mut self.w);
-        f("b", &mut self.b);
-    }
-}
-
-impl Readout {
-    fn new(rng: &mut Rng) -> Self {
-        let bound = 1.0 / (FEATURES as f64).sqrt();
-        Self {
-            w: Vector::from_fn(|_| rng.uniform(-bound, bound) as f32),
-            b: Vector::zeros(),
-        }
-    }
-
-    /// Logits of each sample of `h` (`FEATURES` values per sample).
-    fn logits(&self, h: &[f32]) -> Vec<[f32; CLASSES]> {
-        let w = self.w.as_slice();
-        h.chunks_exact(FEATURES)
-            .map(|h| {
-                let mut z = [0.0f32; CLASSES];
-                for (k, z) in z.iter_mut().enumerate() {
-                    let row = &w[k * FEATURES..(k + 1) * FEATURES];
-                    *z = self.b.as_slice()[k] + row.iter().zip(h).map(|(a, b)| a * b).sum::<f32>();
-                }
-                z
-            })
-            .collect()
-    }
-
-    /// Mean softmax cross-entropy over the batch; adds the read-out's gradients into `grads`
-    /// and writes the gradient with respect to `h` into `d_h`.
-    fn loss_and_backward(
-        &self,
-        h: &[f32],
-        labels: &[usize],
-        grads: &mut ReadoutGrads,
-        d_h: &mut [f32],
-    ) -> f32 {
-        let logits = self.logits(h);
-        let n = labels.len() as f32;
-        let w = self.w.as_slice();
-        let mut loss = 0.0f32;
-        for (i, (z, &label)) in logits.iter().zip(labels).enumerate() {
-            let max = z.iter().fold(f32::NEG_INFINITY, |m, &v| m.max(v));
-            let exp: Vec<f32> = z.iter().map(|&v| (v - max).exp()).collect();
-            let sum: f32 = exp.iter().sum();
-            loss += sum.ln() + max - z[label];
-            let h_i = &h[i * FEATURES..(i + 1) * FEATURES];
-            let d_h_i = &mut d_h[i * FEATURES..(i + 1) * FEATURES];
-            d_h_i.fill(0.0);
-            for k in 0..CLASSES {
-                let d_z = (exp[k] / sum - if k == label { 1.0 } else { 0.0 }) / n;
-                grads.b.as_mut_slice()[k] += d_z;
-                let d_w = &mut grads.w.as_mut_slice()[k * FEATURES..(k + 1) * FEATURES];
-                for j in 0..FEATURES {
-                    d_w[j] += d_z * h_i[j];
-                    d_h_i[j] += d_z * w[k * FEATURES + j];
-                }
-            }
-        }
-        loss / n
-    }
-}
-
-fn argmax(z: &[f32; CLASSES]) -> usize {
-    (0..CLASSES).fold(0, |best, k| if z[k] > z[best] { k } else { best })
-}
+/// The read-out: `conv_runtime::head::Linear`, stepped by the same `Adam`.
+type Readout = Linear<f32, FEATURES, CLASSES>;
 
 /// What a training run reports.
 #[derive(Debug, PartialEq)]
@@ -225,7 +122,7 @@ macro_rules! network {
 
                 let mut grads1 = Conv1Grads::zeros();
                 let mut grads2 = Conv2Grads::zeros();
-                let mut grads_readout = ReadoutGrads::zeros();
+                let mut grads_readout = LinearGrads::zeros();
                 let mut state1 = Conv1State::new();
                 let mut state2 = Conv2State::new();
                 let mut x = Tensor::<T, BATCH, 16, 16, 1>::zeros();
@@ -259,7 +156,10 @@ macro_rules! network {
                         for (h, &v) in h.iter_mut().zip(state2.output().as_slice()) {
                             *h = to_f32(v);
                         }
-                        let loss = readout.loss_and_backward(&h, &labels, &mut grads_readout, &mut d_h);
+                        let loss = readout
+                            .softmax_cross_entropy(&h, &labels, &mut grads_readout, &mut d_h)
+                            .unwrap()
+                            .mean;
                         assert!(loss.is_finite(), "loss {loss}");
                         for (d, &v) in d_conv2_out.as_mut_slice().iter_mut().zip(&d_h) {
                             *d = to_t(v);
@@ -286,7 +186,7 @@ macro_rules! network {
                         adam_readout.step(&mut readout, &grads_readout);
                         grads1.zero();
                         grads2.zero();
-                        grads_readout = ReadoutGrads::zeros();
+                        grads_readout.zero();
 
                         epoch_loss += loss;
                         final_loss = loss;
@@ -303,9 +203,10 @@ macro_rules! network {
                 let features: Vec<f32> = y2.as_slice().iter().map(|&v| to_f32(v)).collect();
                 let correct = readout
                     .logits(&features)
+                    .unwrap()
                     .iter()
                     .zip(&test.labels)
-                    .filter(|(z, &label)| argmax(z) == label)
+                    .filter(|(z, &label)| argmax(&z[..]) == label)
                     .count();
                 let test_accuracy = correct as f64 / TEST as f64;
 
@@ -340,9 +241,10 @@ macro_rules! network {
                     }
                     correct_forward += readout
                         .logits(&batch_features)
+                        .unwrap()
                         .iter()
                         .zip(&test.labels[start..start + BATCH])
-                        .filter(|(z, &label)| argmax(z) == label)
+                        .filter(|(z, &label)| argmax(&z[..]) == label)
                         .count();
                 }
                 assert!(running.0 == conv2.running_mean && running.1 == conv2.running_var,

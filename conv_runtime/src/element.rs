@@ -59,6 +59,8 @@ pub trait Real:
     fn sqrt(self) -> Self;
     /// e^x.
     fn exp(self) -> Self;
+    /// Natural logarithm.
+    fn ln(self) -> Self;
     /// Hyperbolic tangent.
     fn tanh(self) -> Self;
     /// Absolute value.
@@ -106,6 +108,10 @@ macro_rules! real {
             #[inline(always)]
             fn sqrt(self) -> Self {
                 <$t>::sqrt(self)
+            }
+            #[inline(always)]
+            fn ln(self) -> Self {
+                <$t>::ln(self)
             }
             #[inline(always)]
             fn exp(self) -> Self {

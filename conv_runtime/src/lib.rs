@@ -30,6 +30,7 @@ mod cpu;
 pub mod cuda;
 mod element;
 mod error;
+pub mod head;
 pub mod init;
 #[cfg(feature = "onednn")]
 pub mod onednn;
