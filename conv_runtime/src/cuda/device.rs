@@ -202,15 +202,15 @@ impl Descriptors {
             dnn::cudnnDataType_t::CUDNN_DATA_FLOAT
         };
         let nhwc = dnn::cudnnTensorFormat_t::CUDNN_TENSOR_NHWC;
-        let x = TensorDesc::new(
+        let x = TensorDesc::nhwc(
             data,
             [int(batch)?, int(g.in_c)?, int(g.in_h)?, int(g.in_w)?],
         )?;
-        let y = TensorDesc::new(
+        let y = TensorDesc::nhwc(
             data,
             [int(batch)?, int(g.out_c)?, int(g.out_h)?, int(g.out_w)?],
         )?;
-        let bias = TensorDesc::new(data, [1, int(g.out_c)?, 1, 1])?;
+        let bias = TensorDesc::nhwc(data, [1, int(g.out_c)?, 1, 1])?;
         let w = FilterDesc::new()?;
         // SAFETY: a descriptor just created.
         cudnn("cudnnSetFilter4dDescriptor", unsafe {
@@ -268,16 +268,41 @@ impl Descriptors {
     }
 }
 
-struct TensorDesc(dnn::cudnnTensorDescriptor_t);
+/// `struct Name(raw)` owning a cuDNN descriptor: `Name::new()` creates it (a failure is an error
+/// naming the call) and dropping it destroys it.
+macro_rules! descriptor {
+    ($($name:ident($raw:ty): $create:ident, $destroy:ident;)*) => {$(
+        struct $name($raw);
+
+        impl $name {
+            fn new() -> Result<Self> {
+                let mut raw = std::ptr::null_mut();
+                // SAFETY: a valid out-pointer.
+                cudnn(stringify!($create), unsafe { dnn::$create(&mut raw) })?;
+                Ok(Self(raw))
+            }
+        }
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: created by the matching create call, destroyed only here.
+                let _ = unsafe { dnn::$destroy(self.0) };
+            }
+        }
+    )*};
+}
+
+descriptor! {
+    TensorDesc(dnn::cudnnTensorDescriptor_t): cudnnCreateTensorDescriptor, cudnnDestroyTensorDescriptor;
+    FilterDesc(dnn::cudnnFilterDescriptor_t): cudnnCreateFilterDescriptor, cudnnDestroyFilterDescriptor;
+    ConvDesc(dnn::cudnnConvolutionDescriptor_t): cudnnCreateConvolutionDescriptor, cudnnDestroyConvolutionDescriptor;
+    ActivationDesc(dnn::cudnnActivationDescriptor_t): cudnnCreateActivationDescriptor, cudnnDestroyActivationDescriptor;
+}
 
 impl TensorDesc {
-    fn new(data: dnn::cudnnDataType_t, nchw: [c_int; 4]) -> Result<Self> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        cudnn("cudnnCreateTensorDescriptor", unsafe {
-            dnn::cudnnCreateTensorDescriptor(&mut raw)
-        })?;
-        let desc = Self(raw);
+    /// An NHWC tensor of `data` with sizes given as cuDNN orders them, `[n, c, h, w]`.
+    fn nhwc(data: dnn::cudnnDataType_t, nchw: [c_int; 4]) -> Result<Self> {
+        let desc = Self::new()?;
         let [n, c, h, w] = nchw;
         // SAFETY: a descriptor just created.
         cudnn("cudnnSetTensor4dDescriptor", unsafe {
@@ -292,73 +317,6 @@ impl TensorDesc {
             )
         })?;
         Ok(desc)
-    }
-}
-
-impl Drop for TensorDesc {
-    fn drop(&mut self) {
-        // SAFETY: created by cudnnCreateTensorDescriptor, destroyed only here.
-        let _ = unsafe { dnn::cudnnDestroyTensorDescriptor(self.0) };
-    }
-}
-
-struct FilterDesc(dnn::cudnnFilterDescriptor_t);
-
-impl FilterDesc {
-    fn new() -> Result<Self> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        cudnn("cudnnCreateFilterDescriptor", unsafe {
-            dnn::cudnnCreateFilterDescriptor(&mut raw)
-        })?;
-        Ok(Self(raw))
-    }
-}
-
-impl Drop for FilterDesc {
-    fn drop(&mut self) {
-        // SAFETY: created by cudnnCreateFilterDescriptor, destroyed only here.
-        let _ = unsafe { dnn::cudnnDestroyFilterDescriptor(self.0) };
-    }
-}
-
-struct ConvDesc(dnn::cudnnConvolutionDescriptor_t);
-
-impl ConvDesc {
-    fn new() -> Result<Self> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        cudnn("cudnnCreateConvolutionDescriptor", unsafe {
-            dnn::cudnnCreateConvolutionDescriptor(&mut raw)
-        })?;
-        Ok(Self(raw))
-    }
-}
-
-impl Drop for ConvDesc {
-    fn drop(&mut self) {
-        // SAFETY: created by cudnnCreateConvolutionDescriptor, destroyed only here.
-        let _ = unsafe { dnn::cudnnDestroyConvolutionDescriptor(self.0) };
-    }
-}
-
-struct ActivationDesc(dnn::cudnnActivationDescriptor_t);
-
-impl ActivationDesc {
-    fn new() -> Result<Self> {
-        let mut raw = std::ptr::null_mut();
-        // SAFETY: a valid out-pointer.
-        cudnn("cudnnCreateActivationDescriptor", unsafe {
-            dnn::cudnnCreateActivationDescriptor(&mut raw)
-        })?;
-        Ok(Self(raw))
-    }
-}
-
-impl Drop for ActivationDesc {
-    fn drop(&mut self) {
-        // SAFETY: created by cudnnCreateActivationDescriptor, destroyed only here.
-        let _ = unsafe { dnn::cudnnDestroyActivationDescriptor(self.0) };
     }
 }
 
