@@ -6,10 +6,9 @@
 use std::sync::Arc;
 
 use conv_runtime::onednn::{
-    self, arg, Attr, DataType, Eltwise, Engine, FormatTag, Library, Memory, MemoryDesc, NormFlags,
-    Primitive, PrimitiveDesc, Prop, Query, Stream,
+    self, arg, Arg, Attr, DataType, Eltwise, Engine, FormatTag, Library, Memory, MemoryDesc,
+    NormFlags, Primitive, PrimitiveDesc, Prop, Query, Stream,
 };
-use conv_runtime::Result;
 
 fn lib() -> Library {
     match Library::load() {
@@ -31,6 +30,11 @@ fn values(n: usize, seed: u64) -> Vec<f32> {
             ((s >> 40) as f32 / (1u64 << 24) as f32) * 2.0 - 1.0
         })
         .collect()
+}
+
+/// A memory's contents, in its physical order.
+fn read(m: &Memory) -> Vec<f32> {
+    m.to_vec().unwrap()
 }
 
 fn assert_close(what: &str, got: &[f32], want: &[f32]) {
@@ -170,20 +174,33 @@ impl Ctx {
         MemoryDesc::new(&self.lib, dims, DataType::F32, tag).unwrap()
     }
 
+    /// Library-owned memory, zeroed.
+    fn zeroed(&self, md: &MemoryDesc) -> Memory {
+        Memory::allocate(&self.engine, md).unwrap()
+    }
+
     /// Library-owned memory holding `data`.
     fn filled(&self, md: &MemoryDesc, data: &[f32]) -> Memory {
-        let mut m = Memory::allocate(&self.engine, md).unwrap();
+        let mut m = self.zeroed(md);
         m.write(data).unwrap();
         m
     }
 
+    /// Creates `pd`'s primitive and executes it once on the context's stream.
+    fn run(&self, pd: &PrimitiveDesc, args: &[(Arg, &Memory)]) {
+        Primitive::new(pd)
+            .unwrap()
+            .execute(&self.stream, args)
+            .unwrap();
+        self.stream.wait().unwrap();
+    }
+
     /// `from`'s contents in the layout `to`.
-    fn reordered(&self, from: &Memory, to: &MemoryDesc) -> Result<Memory> {
-        let out = Memory::allocate(&self.engine, to)?;
-        let pd = onednn::reorder(&self.engine, from.desc(), to)?;
-        Primitive::new(&pd)?.execute(&self.stream, &[(arg::FROM, from), (arg::TO, &out)])?;
-        self.stream.wait()?;
-        Ok(out)
+    fn reordered(&self, from: &Memory, to: &MemoryDesc) -> Memory {
+        let out = self.zeroed(to);
+        let pd = onednn::reorder(&self.engine, from.desc(), to).unwrap();
+        self.run(&pd, &[(arg::FROM, from), (arg::TO, &out)]);
+        out
     }
 
     fn forward_pd(&self, s: &Shape, attr: &Attr) -> PrimitiveDesc {
@@ -276,11 +293,8 @@ fn conv_forward_nhwc_bias_relu_matches_naive() {
 
         let attr = Attr::with_eltwise(&cx.lib, Eltwise::Relu, 0.0, 0.0).unwrap();
         let pd = cx.forward_pd(&s, &attr);
-        let prim = Primitive::new(&pd).unwrap();
         let user_w = cx.filled(&cx.md(&s.weight_dims(), FormatTag::OHWI), &w);
-        let weights = cx
-            .reordered(&user_w, &pd.query_md(Query::Weights).unwrap())
-            .unwrap();
+        let weights = cx.reordered(&user_w, &pd.query_md(Query::Weights).unwrap());
         let bias = cx.filled(&pd.exec_arg_md(arg::BIAS).unwrap(), &b);
 
         // The generated layers' path: unbound memories, the tensors' buffers lent per call.
@@ -294,17 +308,15 @@ fn conv_forward_nhwc_bias_relu_matches_naive() {
             src.set_data_handle(x_buf.as_mut_ptr().cast()).unwrap();
             dst.set_data_handle(y_buf.as_mut_ptr().cast()).unwrap();
         }
-        prim.execute(
-            &cx.stream,
+        cx.run(
+            &pd,
             &[
                 (arg::SRC, &src),
                 (arg::WEIGHTS, &weights),
                 (arg::BIAS, &bias),
                 (arg::DST, &dst),
             ],
-        )
-        .unwrap();
-        cx.stream.wait().unwrap();
+        );
         src.unbind().unwrap();
         dst.unbind().unwrap();
         assert_close("conv forward", &y_buf, &want);
@@ -336,28 +348,19 @@ fn conv_backward_data_matches_naive() {
         )
         .unwrap();
         drop(fwd); // The backward descriptor keeps its hint alive.
-        let prim = Primitive::new(&pd).unwrap();
         let user_w = cx.filled(&cx.md(&s.weight_dims(), FormatTag::OHWI), &w);
-        let weights = cx
-            .reordered(&user_w, &pd.query_md(Query::Weights).unwrap())
-            .unwrap();
+        let weights = cx.reordered(&user_w, &pd.query_md(Query::Weights).unwrap());
         let diff_dst = cx.filled(&pd.query_md(Query::DiffDst).unwrap(), &dy);
-        let diff_src = Memory::allocate(&cx.engine, &pd.query_md(Query::DiffSrc).unwrap()).unwrap();
-        prim.execute(
-            &cx.stream,
+        let diff_src = cx.zeroed(&pd.query_md(Query::DiffSrc).unwrap());
+        cx.run(
+            &pd,
             &[
                 (arg::DIFF_DST, &diff_dst),
                 (arg::WEIGHTS, &weights),
                 (arg::DIFF_SRC, &diff_src),
             ],
-        )
-        .unwrap();
-        cx.stream.wait().unwrap();
-        assert_close(
-            "conv backward data",
-            &diff_src.to_vec::<f32>().unwrap(),
-            &want,
         );
+        assert_close("conv backward data", &read(&diff_src), &want);
     }
 }
 
@@ -389,37 +392,22 @@ fn conv_backward_weights_matches_naive() {
             &attr,
         )
         .unwrap();
-        let prim = Primitive::new(&pd).unwrap();
         let src = cx.filled(&pd.query_md(Query::Src).unwrap(), &x);
         let diff_dst = cx.filled(&pd.query_md(Query::DiffDst).unwrap(), &dy);
-        let diff_w =
-            Memory::allocate(&cx.engine, &pd.query_md(Query::DiffWeights).unwrap()).unwrap();
-        let diff_b =
-            Memory::allocate(&cx.engine, &pd.exec_arg_md(arg::DIFF_BIAS).unwrap()).unwrap();
-        prim.execute(
-            &cx.stream,
+        let diff_w = cx.zeroed(&pd.query_md(Query::DiffWeights).unwrap());
+        let diff_b = cx.zeroed(&pd.exec_arg_md(arg::DIFF_BIAS).unwrap());
+        cx.run(
+            &pd,
             &[
                 (arg::SRC, &src),
                 (arg::DIFF_DST, &diff_dst),
                 (arg::DIFF_WEIGHTS, &diff_w),
                 (arg::DIFF_BIAS, &diff_b),
             ],
-        )
-        .unwrap();
-        cx.stream.wait().unwrap();
-        let ohwi = cx
-            .reordered(&diff_w, &cx.md(&s.weight_dims(), FormatTag::OHWI))
-            .unwrap();
-        assert_close(
-            "conv backward weights",
-            &ohwi.to_vec::<f32>().unwrap(),
-            &want_w,
         );
-        assert_close(
-            "conv backward bias",
-            &diff_b.to_vec::<f32>().unwrap(),
-            &want_b,
-        );
+        let ohwi = cx.reordered(&diff_w, &cx.md(&s.weight_dims(), FormatTag::OHWI));
+        assert_close("conv backward weights", &read(&ohwi), &want_w);
+        assert_close("conv backward bias", &read(&diff_b), &want_b);
     }
 }
 
@@ -432,15 +420,11 @@ fn reorder_round_trip_and_transpose() {
     // Through the layout the convolution chose (blocked or not) and back.
     let attr = Attr::new(&cx.lib).unwrap();
     let chosen = cx.forward_pd(&s, &attr).query_md(Query::Weights).unwrap();
-    let there = cx.reordered(&ohwi, &chosen).unwrap();
-    let back = cx.reordered(&there, ohwi.desc()).unwrap();
-    assert_eq!(back.to_vec::<f32>().unwrap(), w);
+    let there = cx.reordered(&ohwi, &chosen);
+    let back = cx.reordered(&there, ohwi.desc());
+    assert_eq!(read(&back), w);
     // OHWI -> OIHW is a transpose of the last three axes.
-    let oihw = cx
-        .reordered(&ohwi, &cx.md(&s.weight_dims(), FormatTag::OIHW))
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap();
+    let oihw = read(&cx.reordered(&ohwi, &cx.md(&s.weight_dims(), FormatTag::OIHW)));
     for o in 0..s.oc {
         for i in 0..s.ic {
             for ky in 0..s.k {
@@ -482,16 +466,21 @@ fn execute_refuses_wrong_arguments() {
     let attr = Attr::new(&cx.lib).unwrap();
     let pd = cx.forward_pd(&s, &attr);
     let prim = Primitive::new(&pd).unwrap();
-    let alloc = |q: Query| Memory::allocate(&cx.engine, &pd.query_md(q).unwrap()).unwrap();
+    let alloc = |q: Query| cx.zeroed(&pd.query_md(q).unwrap());
     let (src, weights, dst) = (alloc(Query::Src), alloc(Query::Weights), alloc(Query::Dst));
-    let bias = Memory::allocate(&cx.engine, &pd.exec_arg_md(arg::BIAS).unwrap()).unwrap();
+    let bias = cx.zeroed(&pd.exec_arg_md(arg::BIAS).unwrap());
+    let refused = |args: &[(Arg, &Memory)]| prim.execute(&cx.stream, args).unwrap_err();
+    // Every argument the convolution takes, with `src` and `dst` as given.
+    let all = |src, dst| {
+        [
+            (arg::SRC, src),
+            (arg::WEIGHTS, &weights),
+            (arg::BIAS, &bias),
+            (arg::DST, dst),
+        ]
+    };
 
-    let missing = prim
-        .execute(
-            &cx.stream,
-            &[(arg::SRC, &src), (arg::WEIGHTS, &weights), (arg::DST, &dst)],
-        )
-        .unwrap_err();
+    let missing = refused(&[(arg::SRC, &src), (arg::WEIGHTS, &weights), (arg::DST, &dst)]);
     // oneDNN counts the arguments it uses and refuses a missing one.
     assert_eq!(missing.reason, "invalid_arguments (2)");
     assert!(
@@ -499,59 +488,18 @@ fn execute_refuses_wrong_arguments() {
         "{missing}"
     );
 
-    let swapped = prim
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &dst),
-                (arg::WEIGHTS, &weights),
-                (arg::BIAS, &bias),
-                (arg::DST, &src),
-            ],
-        )
-        .unwrap_err();
+    let swapped = refused(&all(&dst, &src));
     assert!(swapped.reason.contains("expects"), "{swapped}");
 
     let unbound = Memory::unbound(&cx.engine, src.desc()).unwrap();
-    let err = prim
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &unbound),
-                (arg::WEIGHTS, &weights),
-                (arg::BIAS, &bias),
-                (arg::DST, &dst),
-            ],
-        )
-        .unwrap_err();
+    let err = refused(&all(&unbound, &dst));
     assert!(err.reason.contains("no buffer"), "{err}");
 
-    let err = prim
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &src),
-                (arg::WEIGHTS, &weights),
-                (arg::BIAS, &bias),
-                (arg::DST, &dst),
-                (arg::DIFF_DST, &dst),
-            ],
-        )
-        .unwrap_err();
+    let err = refused(&[&all(&src, &dst)[..], &[(arg::DIFF_DST, &dst)]].concat());
     assert!(err.reason.contains("not one this primitive takes"), "{err}");
 
     let elsewhere = Memory::allocate(&Engine::cpu(&cx.lib).unwrap(), src.desc()).unwrap();
-    let err = prim
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &elsewhere),
-                (arg::WEIGHTS, &weights),
-                (arg::BIAS, &bias),
-                (arg::DST, &dst),
-            ],
-        )
-        .unwrap_err();
+    let err = refused(&all(&elsewhere, &dst));
     assert!(err.reason.contains("another engine"), "{err}");
 
     // A oneDNN status comes back as "<name> (<code>)".
@@ -641,29 +589,28 @@ fn batch_norm_training_forward_and_backward_match_naive() {
     )
     .unwrap();
     let src = cx.filled(&data, &x);
-    let dst = Memory::allocate(&cx.engine, &data).unwrap();
-    let per_channel = |a| Memory::allocate(&cx.engine, &fwd.exec_arg_md(a).unwrap()).unwrap();
-    let (mut scale, mut shift) = (per_channel(arg::SCALE), per_channel(arg::SHIFT));
-    scale.write(&gamma).unwrap();
-    shift.write(&beta).unwrap();
-    let (mean_m, var_m) = (per_channel(arg::MEAN), per_channel(arg::VARIANCE));
-    Primitive::new(&fwd)
-        .unwrap()
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &src),
-                (arg::DST, &dst),
-                (arg::SCALE, &scale),
-                (arg::SHIFT, &shift),
-                (arg::MEAN, &mean_m),
-                (arg::VARIANCE, &var_m),
-            ],
-        )
-        .unwrap();
-    assert_close("bn y", &dst.to_vec::<f32>().unwrap(), &y);
-    assert_close("bn mean", &mean_m.to_vec::<f32>().unwrap(), &mean);
-    assert_close("bn variance", &var_m.to_vec::<f32>().unwrap(), &var);
+    let dst = cx.zeroed(&data);
+    let per_channel = |pd: &PrimitiveDesc, a| cx.zeroed(&pd.exec_arg_md(a).unwrap());
+    let scale = cx.filled(&fwd.exec_arg_md(arg::SCALE).unwrap(), &gamma);
+    let shift = cx.filled(&fwd.exec_arg_md(arg::SHIFT).unwrap(), &beta);
+    let (mean_m, var_m) = (
+        per_channel(&fwd, arg::MEAN),
+        per_channel(&fwd, arg::VARIANCE),
+    );
+    cx.run(
+        &fwd,
+        &[
+            (arg::SRC, &src),
+            (arg::DST, &dst),
+            (arg::SCALE, &scale),
+            (arg::SHIFT, &shift),
+            (arg::MEAN, &mean_m),
+            (arg::VARIANCE, &var_m),
+        ],
+    );
+    assert_close("bn y", &read(&dst), &y);
+    assert_close("bn mean", &read(&mean_m), &mean);
+    assert_close("bn variance", &read(&var_m), &var);
 
     let bwd = onednn::batch_norm_backward(
         &cx.engine,
@@ -678,14 +625,11 @@ fn batch_norm_training_forward_and_backward_match_naive() {
     )
     .unwrap();
     let diff_dst = cx.filled(&data, &dy);
-    let diff_src = Memory::allocate(&cx.engine, &data).unwrap();
-    let diff_scale =
-        Memory::allocate(&cx.engine, &bwd.exec_arg_md(arg::DIFF_SCALE).unwrap()).unwrap();
-    let diff_shift =
-        Memory::allocate(&cx.engine, &bwd.exec_arg_md(arg::DIFF_SHIFT).unwrap()).unwrap();
-    let prim = Primitive::new(&bwd).unwrap();
-    prim.execute(
-        &cx.stream,
+    let diff_src = cx.zeroed(&data);
+    let diff_scale = per_channel(&bwd, arg::DIFF_SCALE);
+    let diff_shift = per_channel(&bwd, arg::DIFF_SHIFT);
+    cx.run(
+        &bwd,
         &[
             (arg::SRC, &src),
             (arg::MEAN, &mean_m),
@@ -696,11 +640,10 @@ fn batch_norm_training_forward_and_backward_match_naive() {
             (arg::DIFF_SCALE, &diff_scale),
             (arg::DIFF_SHIFT, &diff_shift),
         ],
-    )
-    .unwrap();
-    assert_close("bn dx", &diff_src.to_vec::<f32>().unwrap(), &dx);
-    assert_close("bn dgamma", &diff_scale.to_vec::<f32>().unwrap(), &dgamma);
-    assert_close("bn dbeta", &diff_shift.to_vec::<f32>().unwrap(), &dbeta);
+    );
+    assert_close("bn dx", &read(&diff_src), &dx);
+    assert_close("bn dgamma", &read(&diff_scale), &dgamma);
+    assert_close("bn dbeta", &read(&diff_shift), &dbeta);
 }
 
 #[test]
@@ -734,32 +677,26 @@ fn eltwise_forward_and_backward() {
     )
     .unwrap();
     let src = cx.filled(&md, &x);
-    let dst = Memory::allocate(&cx.engine, &md).unwrap();
-    Primitive::new(&fwd)
-        .unwrap()
-        .execute(&cx.stream, &[(arg::SRC, &src), (arg::DST, &dst)])
-        .unwrap();
+    let dst = cx.zeroed(&md);
+    cx.run(&fwd, &[(arg::SRC, &src), (arg::DST, &dst)]);
     let diff_dst = cx.filled(&md, &dy);
-    let diff_src = Memory::allocate(&cx.engine, &md).unwrap();
-    Primitive::new(&bwd)
-        .unwrap()
-        .execute(
-            &cx.stream,
-            &[
-                (arg::SRC, &src),
-                (arg::DIFF_DST, &diff_dst),
-                (arg::DIFF_SRC, &diff_src),
-            ],
-        )
-        .unwrap();
+    let diff_src = cx.zeroed(&md);
+    cx.run(
+        &bwd,
+        &[
+            (arg::SRC, &src),
+            (arg::DIFF_DST, &diff_dst),
+            (arg::DIFF_SRC, &diff_src),
+        ],
+    );
     let y: Vec<f32> = x.iter().map(|v| v.tanh()).collect();
     let dx: Vec<f32> = x
         .iter()
         .zip(&dy)
         .map(|(v, d)| d * (1.0 - v.tanh().powi(2)))
         .collect();
-    assert_close("tanh", &dst.to_vec::<f32>().unwrap(), &y);
-    assert_close("tanh backward", &diff_src.to_vec::<f32>().unwrap(), &dx);
+    assert_close("tanh", &read(&dst), &y);
+    assert_close("tanh backward", &read(&diff_src), &dx);
 }
 
 #[test]
@@ -829,11 +766,7 @@ fn one_primitive_executes_from_several_threads() {
     let x = values(s.src_len(), 16);
     s.for_each_tap(|si, di, wi| want[di] += x[si] * w[wi]);
     let user_w = cx.filled(&cx.md(&s.weight_dims(), FormatTag::OHWI), &w);
-    let weights_data = cx
-        .reordered(&user_w, &pd.query_md(Query::Weights).unwrap())
-        .unwrap()
-        .to_vec::<f32>()
-        .unwrap();
+    let weights_data = read(&cx.reordered(&user_w, &pd.query_md(Query::Weights).unwrap()));
     let handles: Vec<_> = (0..3)
         .map(|_| {
             let (prim, pd, engine) = (prim.clone(), pd.clone(), cx.engine.clone());
@@ -863,7 +796,7 @@ fn one_primitive_executes_from_several_threads() {
                     )
                     .unwrap();
                 }
-                assert_close("threaded conv", &dst.to_vec::<f32>().unwrap(), &want);
+                assert_close("threaded conv", &read(&dst), &want);
             })
         })
         .collect();

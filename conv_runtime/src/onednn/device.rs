@@ -80,6 +80,37 @@ impl ConvGeometry {
     fn weight_dims(&self) -> [i64; 4] {
         [self.out_c, self.in_c, self.kernel[0], self.kernel[1]].map(|d| d as i64)
     }
+
+    /// Strides, padding before and padding after, as the convolution builders take them.
+    fn strides_padding(&self) -> ([i64; 2], [i64; 2], [i64; 2]) {
+        (
+            self.stride.map(|s| s as i64),
+            self.padding.map(|p| p as i64),
+            self.padding_after(),
+        )
+    }
+
+    /// The descriptors a layer type's primitives are built from, for `batch` images.
+    fn descs(&self, lib: &Library, batch: usize) -> Result<Descs> {
+        let md = |dims: &[i64], tag| MemoryDesc::new(lib, dims, DataType::F32, tag);
+        Ok(Descs {
+            src: md(&self.src_dims(batch), FormatTag::NHWC)?,
+            dst: md(&self.dst_dims(batch), FormatTag::NHWC)?,
+            bias: md(&[self.out_c as i64], FormatTag::X)?,
+            user_weights: md(&self.weight_dims(), FormatTag::OHWI)?,
+            any_weights: md(&self.weight_dims(), FormatTag::ANY)?,
+        })
+    }
+}
+
+/// The tensors' descriptors as the generated code lays them out (NHWC activations, OHWI
+/// weights), and the weights in `ANY` layout so that each primitive picks its own.
+struct Descs {
+    src: MemoryDesc,
+    dst: MemoryDesc,
+    bias: MemoryDesc,
+    user_weights: MemoryDesc,
+    any_weights: MemoryDesc,
 }
 
 /// A forward primitive and the weight layout it chose.
@@ -124,40 +155,35 @@ impl ConvSetup {
         self as *const Self as usize
     }
 
-    /// A forward primitive, and its descriptor (the backward primitives' hint).
+    /// A forward primitive on `d`, and its descriptor (the backward primitives' hint).
     fn forward(
         &self,
         engine: &Engine,
-        batch: usize,
+        d: &Descs,
         prop: Prop,
         fuse: bool,
     ) -> Result<(Forward, super::PrimitiveDesc)> {
         let g = &self.geometry;
         let lib = engine.library();
-        let f32_ = DataType::F32;
-        let src = MemoryDesc::new(lib, &g.src_dims(batch), f32_, FormatTag::NHWC)?;
-        let dst = MemoryDesc::new(lib, &g.dst_dims(batch), f32_, FormatTag::NHWC)?;
-        let any = MemoryDesc::new(lib, &g.weight_dims(), f32_, FormatTag::ANY)?;
-        let bias = MemoryDesc::new(lib, &[g.out_c as i64], f32_, FormatTag::X)?;
         let attr = match (fuse, g.fused) {
             (true, Some(alg)) => Attr::with_eltwise(lib, alg, 0.0, 0.0)?,
             _ => Attr::new(lib)?,
         };
+        let (strides, pl, pr) = g.strides_padding();
         let pd = super::conv_forward(
             engine,
             prop,
-            &src,
-            &any,
-            Some(&bias),
-            &dst,
-            g.stride.map(|s| s as i64),
-            g.padding.map(|p| p as i64),
-            g.padding_after(),
+            &d.src,
+            &d.any_weights,
+            Some(&d.bias),
+            &d.dst,
+            strides,
+            pl,
+            pr,
             &attr,
         )?;
         let weights = pd.query_md(super::Query::Weights)?;
-        let user = MemoryDesc::new(lib, &g.weight_dims(), f32_, FormatTag::OHWI)?;
-        let reorder = Primitive::new(&super::reorder(engine, &user, &weights)?)?;
+        let reorder = Primitive::new(&super::reorder(engine, &d.user_weights, &weights)?)?;
         Ok((
             Forward {
                 primitive: Primitive::new(&pd)?,
@@ -172,24 +198,14 @@ impl ConvSetup {
         let built = self.training.get_or_init(|| {
             let g = &self.geometry;
             let lib = engine.library();
-            let f32_ = DataType::F32;
-            let batch = g.batch;
-            let (forward, hint_pd) = self.forward(engine, batch, Prop::ForwardTraining, false)?;
-            let src = MemoryDesc::new(lib, &g.src_dims(batch), f32_, FormatTag::NHWC)?;
-            let dst = MemoryDesc::new(lib, &g.dst_dims(batch), f32_, FormatTag::NHWC)?;
-            let any = MemoryDesc::new(lib, &g.weight_dims(), f32_, FormatTag::ANY)?;
-            let bias = MemoryDesc::new(lib, &[g.out_c as i64], f32_, FormatTag::X)?;
-            let user = MemoryDesc::new(lib, &g.weight_dims(), f32_, FormatTag::OHWI)?;
-            let (strides, pl, pr) = (
-                g.stride.map(|s| s as i64),
-                g.padding.map(|p| p as i64),
-                g.padding_after(),
-            );
+            let d = g.descs(lib, g.batch)?;
+            let (forward, hint_pd) = self.forward(engine, &d, Prop::ForwardTraining, false)?;
+            let (strides, pl, pr) = g.strides_padding();
             let data_pd = super::conv_backward_data(
                 engine,
-                &src,
-                &any,
-                &dst,
+                &d.src,
+                &d.any_weights,
+                &d.dst,
                 strides,
                 pl,
                 pr,
@@ -199,10 +215,10 @@ impl ConvSetup {
             let backward_data_weights = data_pd.query_md(super::Query::Weights)?;
             let weights_pd = super::conv_backward_weights(
                 engine,
-                &src,
-                &any,
-                Some(&bias),
-                &dst,
+                &d.src,
+                &d.any_weights,
+                Some(&d.bias),
+                &d.dst,
                 strides,
                 pl,
                 pr,
@@ -215,7 +231,7 @@ impl ConvSetup {
                 backward_data: Primitive::new(&data_pd)?,
                 backward_data_reorder: Primitive::new(&super::reorder(
                     engine,
-                    &user,
+                    &d.user_weights,
                     &backward_data_weights,
                 )?)?,
                 backward_data_weights,
@@ -223,7 +239,7 @@ impl ConvSetup {
                 diff_weights_reorder: Primitive::new(&super::reorder(
                     engine,
                     &diff_weights,
-                    &user,
+                    &d.user_weights,
                 )?)?,
                 diff_weights,
             })
@@ -239,7 +255,8 @@ impl ConvSetup {
         if let Some((_, f)) = cache.iter().find(|(b, _)| *b == batch) {
             return Ok(f.clone());
         }
-        let forward = Arc::new(self.forward(engine, batch, Prop::ForwardInference, true)?.0);
+        let d = self.geometry.descs(engine.library(), batch)?;
+        let forward = Arc::new(self.forward(engine, &d, Prop::ForwardInference, true)?.0);
         cache.push((batch, forward.clone()));
         Ok(forward)
     }
@@ -350,16 +367,12 @@ impl OneDnn {
             return Ok(i);
         }
         let memory = Memory::allocate(&self.engine, desc)?;
-        let user = MemoryDesc::new(
-            self.engine.library(),
+        // The layer's OHWI tensor; the reorder only reads it.
+        let from = self.lend(
             &setup.geometry.weight_dims(),
-            DataType::F32,
             FormatTag::OHWI,
+            weights.as_ptr(),
         )?;
-        let mut from = Memory::unbound(&self.engine, &user)?;
-        // SAFETY: `weights` is the layer's OHWI tensor of exactly `user`'s size; the reorder
-        // only reads it, and finishes before this function returns.
-        unsafe { from.set_data_handle(weights.as_ptr() as *mut _)? };
         reorder.execute(&self.stream, &[(arg::FROM, &from), (arg::TO, &memory)])?;
         let entry = Reordered {
             setup: id,
@@ -380,17 +393,14 @@ impl OneDnn {
         }
     }
 
-    /// Binds `data` to a new memory of `desc` for one execution.
-    fn lend(&self, desc: &MemoryDesc, data: *const f32) -> Result<Memory> {
-        let mut memory = Memory::unbound(&self.engine, desc)?;
+    /// Binds `data` to a new f32 memory of `dims` laid out as `tag`, for one execution.
+    fn lend(&self, dims: &[i64], tag: FormatTag, data: *const f32) -> Result<Memory> {
+        let desc = MemoryDesc::new(self.engine.library(), dims, DataType::F32, tag)?;
+        let mut memory = Memory::unbound(&self.engine, &desc)?;
         // SAFETY: callers pass slices of exactly `desc`'s size that outlive the execution;
         // oneDNN writes only to destination arguments, which callers pass as `&mut`.
         unsafe { memory.set_data_handle(data as *mut _)? };
         Ok(memory)
-    }
-
-    fn plain(&self, dims: &[i64], tag: FormatTag) -> Result<MemoryDesc> {
-        MemoryDesc::new(self.engine.library(), dims, DataType::F32, tag)
     }
 
     /// Convolution + bias of `batch` images (`x` NHWC) into `y` (NHWC): the inference primitive
@@ -425,15 +435,9 @@ impl OneDnn {
             weights,
             stamp,
         )?;
-        let src = self.lend(
-            &self.plain(&g.src_dims(batch), FormatTag::NHWC)?,
-            x.as_ptr(),
-        )?;
-        let dst = self.lend(
-            &self.plain(&g.dst_dims(batch), FormatTag::NHWC)?,
-            y.as_mut_ptr(),
-        )?;
-        let b = self.lend(&self.plain(&[g.out_c as i64], FormatTag::X)?, bias.as_ptr())?;
+        let src = self.lend(&g.src_dims(batch), FormatTag::NHWC, x.as_ptr())?;
+        let dst = self.lend(&g.dst_dims(batch), FormatTag::NHWC, y.as_mut_ptr())?;
+        let b = self.lend(&[g.out_c as i64], FormatTag::X, bias.as_ptr())?;
         forward.primitive.execute(
             &self.stream,
             &[
@@ -466,14 +470,8 @@ impl OneDnn {
             weights,
             stamp,
         )?;
-        let diff_dst = self.lend(
-            &self.plain(&g.dst_dims(g.batch), FormatTag::NHWC)?,
-            dz.as_ptr(),
-        )?;
-        let diff_src = self.lend(
-            &self.plain(&g.src_dims(g.batch), FormatTag::NHWC)?,
-            dx.as_mut_ptr(),
-        )?;
+        let diff_dst = self.lend(&g.dst_dims(g.batch), FormatTag::NHWC, dz.as_ptr())?;
+        let diff_src = self.lend(&g.src_dims(g.batch), FormatTag::NHWC, dx.as_mut_ptr())?;
         t.backward_data.execute(
             &self.stream,
             &[
@@ -497,20 +495,11 @@ impl OneDnn {
         let engine = self.engine.clone();
         let g = setup.geometry;
         let t = setup.training(&engine)?;
-        let src = self.lend(
-            &self.plain(&g.src_dims(g.batch), FormatTag::NHWC)?,
-            x.as_ptr(),
-        )?;
-        let diff_dst = self.lend(
-            &self.plain(&g.dst_dims(g.batch), FormatTag::NHWC)?,
-            dz.as_ptr(),
-        )?;
+        let src = self.lend(&g.src_dims(g.batch), FormatTag::NHWC, x.as_ptr())?;
+        let diff_dst = self.lend(&g.dst_dims(g.batch), FormatTag::NHWC, dz.as_ptr())?;
         let diff_weights = Memory::allocate(&engine, &t.diff_weights)?;
         let mut bias = vec![0.0f32; g.out_c];
-        let diff_bias = self.lend(
-            &self.plain(&[g.out_c as i64], FormatTag::X)?,
-            bias.as_mut_ptr(),
-        )?;
+        let diff_bias = self.lend(&[g.out_c as i64], FormatTag::X, bias.as_mut_ptr())?;
         t.backward_weights.execute(
             &self.stream,
             &[
@@ -522,10 +511,7 @@ impl OneDnn {
         )?;
         drop(diff_bias);
         let mut ohwi = vec![0.0f32; dw.len()];
-        let plain = self.lend(
-            &self.plain(&g.weight_dims(), FormatTag::OHWI)?,
-            ohwi.as_mut_ptr(),
-        )?;
+        let plain = self.lend(&g.weight_dims(), FormatTag::OHWI, ohwi.as_mut_ptr())?;
         t.diff_weights_reorder.execute(
             &self.stream,
             &[(arg::FROM, &diff_weights), (arg::TO, &plain)],

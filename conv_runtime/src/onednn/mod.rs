@@ -109,6 +109,60 @@ fn null_handle(call: &str) -> Error {
     )
 }
 
+/// `call!(api, dnnl_f(args))` calls `api.dnnl_f(args)` and checks its status. The error names
+/// the function from its identifier, so the name cannot drift from the call. The call is
+/// unsafe: the caller's `unsafe` block and SAFETY comment cover it.
+macro_rules! call {
+    ($api:expr, $f:ident($($arg:expr),* $(,)?)) => {
+        check(($api.$f)($($arg),*), stringify!($f))
+    };
+}
+
+/// `create!(api, dnnl_x_create(args))` calls `dnnl_x_create(&mut out, args)` (every oneDNN
+/// create call writes the new handle through its first parameter) and returns the handle: an
+/// error for a failed status or a null handle. Unsafe like `call!`.
+macro_rules! create {
+    ($api:expr, $f:ident($($arg:expr),* $(,)?)) => {{
+        let mut out = std::ptr::null_mut();
+        call!($api, $f(&mut out, $($arg),*)).and_then(|()| {
+            if out.is_null() {
+                Err(null_handle(stringify!($f)))
+            } else {
+                Ok(out)
+            }
+        })
+    }};
+}
+
+/// Declares a type that owns one oneDNN handle (`raw`) and the library it came from (`lib`),
+/// and destroys the handle on drop with `$destroy`.
+///
+/// The type is `Send + Sync`, so only objects that are immutable once built or changed only
+/// through `&mut self` may be declared with it: oneDNN lets any thread read those, and destroy
+/// them once nothing else refers to them.
+macro_rules! owned_handle {
+    ($(#[$attr:meta])* $vis:vis struct $name:ident($raw:ty) destroyed by $destroy:ident;) => {
+        $(#[$attr])*
+        $vis struct $name {
+            lib: Library,
+            raw: $raw,
+        }
+
+        // SAFETY: immutable once built, or changed only through `&mut self` (see above).
+        unsafe impl Send for $name {}
+        // SAFETY: as above.
+        unsafe impl Sync for $name {}
+
+        impl Drop for $name {
+            fn drop(&mut self) {
+                // SAFETY: `raw` came from a create call and is owned by this value; whatever
+                // else uses the object holds this value (through an `Arc`) or a borrow of it.
+                unsafe { (self.lib.api().$destroy)(self.raw) };
+            }
+        }
+    };
+}
+
 // ---------------------------------------------------------------------------------------------
 // Threads
 
@@ -312,21 +366,9 @@ pub fn version() -> Result<(u32, u32, u32)> {
 // ---------------------------------------------------------------------------------------------
 // Engine and stream
 
-struct EngineInner {
-    lib: Library,
-    raw: ffi::dnnl_engine_t,
-}
-
-// SAFETY: a oneDNN engine is immutable after creation and may be used from any thread.
-unsafe impl Send for EngineInner {}
-// SAFETY: as above.
-unsafe impl Sync for EngineInner {}
-
-impl Drop for EngineInner {
-    fn drop(&mut self) {
-        // SAFETY: `raw` came from dnnl_engine_create and every object using it holds a clone.
-        unsafe { (self.lib.api().dnnl_engine_destroy)(self.raw) };
-    }
+owned_handle! {
+    /// Immutable after creation; every object using it holds a clone of the [`Engine`].
+    struct EngineInner(ffi::dnnl_engine_t) destroyed by dnnl_engine_destroy;
 }
 
 /// A CPU engine. Cheap to clone (shared); memories, descriptors and streams keep it alive.
@@ -342,15 +384,8 @@ impl fmt::Debug for Engine {
 impl Engine {
     /// The CPU engine (index 0).
     pub fn cpu(lib: &Library) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer.
-        check(
-            unsafe { (lib.api().dnnl_engine_create)(&mut raw, ffi::dnnl_cpu, 0) },
-            "dnnl_engine_create",
-        )?;
-        if raw.is_null() {
-            return Err(null_handle("dnnl_engine_create"));
-        }
+        // SAFETY: no preconditions beyond the out-pointer `create!` passes.
+        let raw = unsafe { create!(lib.api(), dnnl_engine_create(ffi::dnnl_cpu, 0)) }?;
         Ok(Self(Arc::new(EngineInner {
             lib: lib.clone(),
             raw,
@@ -387,21 +422,13 @@ impl fmt::Debug for Stream {
 impl Stream {
     /// A new in-order stream on `engine`.
     pub fn new(engine: &Engine) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the engine outlives the stream (held below).
-        check(
-            unsafe {
-                (engine.library().api().dnnl_stream_create)(
-                    &mut raw,
-                    engine.raw(),
-                    ffi::dnnl_stream_default_flags,
-                )
-            },
-            "dnnl_stream_create",
-        )?;
-        if raw.is_null() {
-            return Err(null_handle("dnnl_stream_create"));
-        }
+        // SAFETY: the engine is live and outlives the stream (held below).
+        let raw = unsafe {
+            create!(
+                engine.library().api(),
+                dnnl_stream_create(engine.raw(), ffi::dnnl_stream_default_flags)
+            )
+        }?;
         Ok(Self {
             engine: engine.clone(),
             raw,
@@ -411,10 +438,7 @@ impl Stream {
     /// Waits until everything submitted to the stream has finished.
     pub fn wait(&self) -> Result<()> {
         // SAFETY: `raw` is a live stream, used from this thread only (`Stream: !Sync`).
-        check(
-            unsafe { (self.engine.library().api().dnnl_stream_wait)(self.raw) },
-            "dnnl_stream_wait",
-        )
+        unsafe { call!(self.engine.library().api(), dnnl_stream_wait(self.raw)) }
     }
 }
 
@@ -704,16 +728,10 @@ pub mod arg {
 // ---------------------------------------------------------------------------------------------
 // Memory descriptors
 
-/// A memory descriptor: logical dims, data type and physical layout. Immutable.
-pub struct MemoryDesc {
-    lib: Library,
-    raw: ffi::dnnl_memory_desc_t,
+owned_handle! {
+    /// A memory descriptor: logical dims, data type and physical layout. Immutable.
+    pub struct MemoryDesc(ffi::dnnl_memory_desc_t) destroyed by dnnl_memory_desc_destroy;
 }
-
-// SAFETY: a memory descriptor is never modified after creation.
-unsafe impl Send for MemoryDesc {}
-// SAFETY: as above; all queries only read it.
-unsafe impl Sync for MemoryDesc {}
 
 /// Copies `values` into a `dnnl_dims_t`, refusing more than `DNNL_MAX_NDIMS`.
 fn dims_array(what: &str, values: &[i64]) -> Result<ffi::dnnl_dims_t> {
@@ -738,21 +756,22 @@ impl MemoryDesc {
     pub fn new(lib: &Library, dims: &[i64], dtype: DataType, tag: FormatTag) -> Result<Self> {
         const CALL: &str = "dnnl_memory_desc_create_with_tag";
         let d = dims_array(CALL, dims)?;
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; `d` holds DNNL_MAX_NDIMS entries.
-        check(
-            unsafe {
-                (lib.api().dnnl_memory_desc_create_with_tag)(
-                    &mut raw,
+        // SAFETY: `d` holds DNNL_MAX_NDIMS entries.
+        let raw = unsafe {
+            create!(
+                lib.api(),
+                dnnl_memory_desc_create_with_tag(
                     dims.len() as c_int,
                     d.as_ptr(),
                     dtype.raw(),
-                    tag.0,
+                    tag.0
                 )
-            },
-            CALL,
-        )?;
-        Self::owned(lib, raw, CALL)
+            )
+        }?;
+        Ok(Self {
+            lib: lib.clone(),
+            raw,
+        })
     }
 
     /// A plain descriptor with explicit element strides per logical dimension.
@@ -771,27 +790,18 @@ impl MemoryDesc {
         }
         let d = dims_array(CALL, dims)?;
         let s = dims_array(CALL, strides)?;
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; `d` and `s` hold DNNL_MAX_NDIMS entries.
-        check(
-            unsafe {
-                (lib.api().dnnl_memory_desc_create_with_strides)(
-                    &mut raw,
+        // SAFETY: `d` and `s` hold DNNL_MAX_NDIMS entries.
+        let raw = unsafe {
+            create!(
+                lib.api(),
+                dnnl_memory_desc_create_with_strides(
                     dims.len() as c_int,
                     d.as_ptr(),
                     dtype.raw(),
-                    s.as_ptr(),
+                    s.as_ptr()
                 )
-            },
-            CALL,
-        )?;
-        Self::owned(lib, raw, CALL)
-    }
-
-    fn owned(lib: &Library, raw: ffi::dnnl_memory_desc_t, call: &str) -> Result<Self> {
-        if raw.is_null() {
-            return Err(null_handle(call));
-        }
+            )
+        }?;
         Ok(Self {
             lib: lib.clone(),
             raw,
@@ -807,13 +817,12 @@ impl MemoryDesc {
                 "null source descriptor",
             ));
         }
-        let mut raw = ptr::null_mut();
-        // SAFETY: `md` is a live descriptor; `raw` is a valid out-pointer.
-        check(
-            unsafe { (lib.api().dnnl_memory_desc_clone)(&mut raw, md) },
-            CALL,
-        )?;
-        Self::owned(lib, raw, CALL)
+        // SAFETY: `md` is a live descriptor.
+        let raw = unsafe { create!(lib.api(), dnnl_memory_desc_clone(md)) }?;
+        Ok(Self {
+            lib: lib.clone(),
+            raw,
+        })
     }
 
     /// A copy (a new library object; can fail, hence not `Clone`).
@@ -829,10 +838,12 @@ impl MemoryDesc {
 
     fn query(&self, what: ffi::dnnl_query_t, result: *mut c_void) -> Result<()> {
         // SAFETY: `raw` is live; every caller passes a `result` of the type `what` writes.
-        check(
-            unsafe { (self.lib.api().dnnl_memory_desc_query)(self.raw, what, result) },
-            "dnnl_memory_desc_query",
-        )
+        unsafe {
+            call!(
+                self.lib.api(),
+                dnnl_memory_desc_query(self.raw, what, result)
+            )
+        }
     }
 
     /// Number of logical dimensions (0 for the zero descriptor of an unused argument).
@@ -924,13 +935,6 @@ impl fmt::Debug for MemoryDesc {
     }
 }
 
-impl Drop for MemoryDesc {
-    fn drop(&mut self) {
-        // SAFETY: `raw` is owned by this value (created or cloned here).
-        unsafe { (self.lib.api().dnnl_memory_desc_destroy)(self.raw) };
-    }
-}
-
 // ---------------------------------------------------------------------------------------------
 // Memory
 
@@ -984,18 +988,10 @@ impl fmt::Debug for Memory {
 
 impl Memory {
     fn create(engine: &Engine, desc: &MemoryDesc, handle: *mut c_void) -> Result<Self> {
-        const CALL: &str = "dnnl_memory_create";
         let desc = desc.try_clone()?;
         let api = engine.library().api();
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; `handle` is NONE or ALLOCATE.
-        check(
-            unsafe { (api.dnnl_memory_create)(&mut raw, desc.raw, engine.raw(), handle) },
-            CALL,
-        )?;
-        if raw.is_null() {
-            return Err(null_handle(CALL));
-        }
+        // SAFETY: the descriptor and engine are live; `handle` is NONE or ALLOCATE.
+        let raw = unsafe { create!(api, dnnl_memory_create(desc.raw, engine.raw(), handle)) }?;
         let mut memory = Self {
             engine: engine.clone(),
             desc,
@@ -1005,10 +1001,7 @@ impl Memory {
         };
         let mut actual = ptr::null_mut();
         // SAFETY: `raw` is live; `actual` is a valid out-pointer.
-        check(
-            unsafe { (api.dnnl_memory_get_data_handle)(memory.raw, &mut actual) },
-            "dnnl_memory_get_data_handle",
-        )?;
+        unsafe { call!(api, dnnl_memory_get_data_handle(memory.raw, &mut actual)) }?;
         memory.handle = actual;
         Ok(memory)
     }
@@ -1058,10 +1051,12 @@ impl Memory {
             ));
         }
         // SAFETY: `raw` is live and not shared with another thread (`Memory: !Sync`).
-        check(
-            unsafe { (self.engine.library().api().dnnl_memory_set_data_handle)(self.raw, ptr) },
-            CALL,
-        )?;
+        unsafe {
+            call!(
+                self.engine.library().api(),
+                dnnl_memory_set_data_handle(self.raw, ptr)
+            )
+        }?;
         self.handle = ptr;
         Ok(())
     }
@@ -1163,29 +1158,17 @@ impl Drop for Memory {
 // ---------------------------------------------------------------------------------------------
 // Attributes
 
-/// A list of operations fused after a primitive's main computation.
-pub struct PostOps {
-    lib: Library,
-    raw: ffi::dnnl_post_ops_t,
+owned_handle! {
+    /// A list of operations fused after a primitive's main computation. Changed only through
+    /// `&mut self`.
+    pub struct PostOps(ffi::dnnl_post_ops_t) destroyed by dnnl_post_ops_destroy;
 }
-
-// SAFETY: only modified through `&mut self`; read-only otherwise.
-unsafe impl Send for PostOps {}
-// SAFETY: as above.
-unsafe impl Sync for PostOps {}
 
 impl PostOps {
     /// An empty list.
     pub fn new(lib: &Library) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer.
-        check(
-            unsafe { (lib.api().dnnl_post_ops_create)(&mut raw) },
-            "dnnl_post_ops_create",
-        )?;
-        if raw.is_null() {
-            return Err(null_handle("dnnl_post_ops_create"));
-        }
+        // SAFETY: no preconditions beyond the out-pointer `create!` passes.
+        let raw = unsafe { create!(lib.api(), dnnl_post_ops_create()) }?;
         Ok(Self {
             lib: lib.clone(),
             raw,
@@ -1195,12 +1178,12 @@ impl PostOps {
     /// Appends an element-wise operation.
     pub fn append_eltwise(&mut self, alg: Eltwise, alpha: f32, beta: f32) -> Result<()> {
         // SAFETY: `raw` is live and exclusively borrowed.
-        check(
-            unsafe {
-                (self.lib.api().dnnl_post_ops_append_eltwise)(self.raw, alg.raw(), alpha, beta)
-            },
-            "dnnl_post_ops_append_eltwise",
-        )
+        unsafe {
+            call!(
+                self.lib.api(),
+                dnnl_post_ops_append_eltwise(self.raw, alg.raw(), alpha, beta)
+            )
+        }
     }
 }
 
@@ -1210,51 +1193,29 @@ impl fmt::Debug for PostOps {
     }
 }
 
-impl Drop for PostOps {
-    fn drop(&mut self) {
-        // SAFETY: `raw` is owned here.
-        unsafe { (self.lib.api().dnnl_post_ops_destroy)(self.raw) };
-    }
+owned_handle! {
+    /// Primitive attributes. Always in the user scratchpad mode (see the module docs on thread
+    /// safety); the builders copy them, so one `Attr` can serve many descriptors. Changed only
+    /// through `&mut self`.
+    pub struct Attr(ffi::dnnl_primitive_attr_t) destroyed by dnnl_primitive_attr_destroy;
 }
-
-/// Primitive attributes. Always in the user scratchpad mode (see the module docs on thread
-/// safety); the builders copy them, so one `Attr` can serve many descriptors.
-pub struct Attr {
-    lib: Library,
-    raw: ffi::dnnl_primitive_attr_t,
-}
-
-// SAFETY: only modified through `&mut self`; read-only otherwise.
-unsafe impl Send for Attr {}
-// SAFETY: as above.
-unsafe impl Sync for Attr {}
 
 impl Attr {
     /// Default attributes (no post-ops), user scratchpad mode.
     pub fn new(lib: &Library) -> Result<Self> {
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer.
-        check(
-            unsafe { (lib.api().dnnl_primitive_attr_create)(&mut raw) },
-            "dnnl_primitive_attr_create",
-        )?;
-        if raw.is_null() {
-            return Err(null_handle("dnnl_primitive_attr_create"));
-        }
+        // SAFETY: no preconditions beyond the out-pointer `create!` passes.
+        let raw = unsafe { create!(lib.api(), dnnl_primitive_attr_create()) }?;
         let attr = Self {
             lib: lib.clone(),
             raw,
         };
         // SAFETY: `raw` is live and owned.
-        check(
-            unsafe {
-                (lib.api().dnnl_primitive_attr_set_scratchpad_mode)(
-                    attr.raw,
-                    ffi::dnnl_scratchpad_mode_user,
-                )
-            },
-            "dnnl_primitive_attr_set_scratchpad_mode",
-        )?;
+        unsafe {
+            call!(
+                lib.api(),
+                dnnl_primitive_attr_set_scratchpad_mode(attr.raw, ffi::dnnl_scratchpad_mode_user)
+            )
+        }?;
         Ok(attr)
     }
 
@@ -1270,23 +1231,18 @@ impl Attr {
     /// Sets the post-ops (copied: `post_ops` may be dropped afterwards).
     pub fn set_post_ops(&mut self, post_ops: &PostOps) -> Result<()> {
         // SAFETY: both are live; `self.raw` is exclusively borrowed.
-        check(
-            unsafe { (self.lib.api().dnnl_primitive_attr_set_post_ops)(self.raw, post_ops.raw) },
-            "dnnl_primitive_attr_set_post_ops",
-        )
+        unsafe {
+            call!(
+                self.lib.api(),
+                dnnl_primitive_attr_set_post_ops(self.raw, post_ops.raw)
+            )
+        }
     }
 }
 
 impl fmt::Debug for Attr {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
         f.debug_struct("Attr").finish_non_exhaustive()
-    }
-}
-
-impl Drop for Attr {
-    fn drop(&mut self) {
-        // SAFETY: `raw` is owned here.
-        unsafe { (self.lib.api().dnnl_primitive_attr_destroy)(self.raw) };
     }
 }
 
@@ -1331,23 +1287,18 @@ impl fmt::Debug for PrimitiveDesc {
 }
 
 impl PrimitiveDesc {
-    /// Runs a `*_primitive_desc_create` call (with the thread count applied, since oneDNN
-    /// picks its work split here) and wraps the result.
+    /// Runs a `*_primitive_desc_create` call (`f`, through `create!`) with the thread count
+    /// applied, since oneDNN picks its work split here, and wraps the result.
     fn create(
         engine: &Engine,
         name: &'static str,
-        call: &'static str,
         hint: Option<&PrimitiveDesc>,
-        f: impl FnOnce(&ffi::Api, *mut ffi::dnnl_primitive_desc_t) -> ffi::dnnl_status_t,
+        f: impl FnOnce(&ffi::Api) -> Result<ffi::dnnl_primitive_desc_t>,
     ) -> Result<Self> {
         let lib = engine.library();
         let threads = threads();
         lib.apply_threads(threads);
-        let mut raw = ptr::null_mut();
-        check(f(lib.api(), &mut raw), call)?;
-        if raw.is_null() {
-            return Err(null_handle(call));
-        }
+        let raw = f(lib.api())?;
         Ok(Self(Arc::new(PdInner {
             engine: engine.clone(),
             raw,
@@ -1403,17 +1354,17 @@ impl PrimitiveDesc {
     pub fn impl_info(&self) -> Result<String> {
         let mut s: *const std::os::raw::c_char = ptr::null();
         // SAFETY: the impl-info query writes a `const char *` owned by the descriptor.
-        check(
-            unsafe {
-                (self.lib().api().dnnl_primitive_desc_query)(
+        unsafe {
+            call!(
+                self.lib().api(),
+                dnnl_primitive_desc_query(
                     self.0.raw,
                     ffi::dnnl_query_impl_info_str,
                     0,
                     (&mut s as *mut *const std::os::raw::c_char).cast(),
                 )
-            },
-            "dnnl_primitive_desc_query",
-        )?;
+            )
+        }?;
         if s.is_null() {
             return Ok(String::new());
         }
@@ -1452,26 +1403,27 @@ pub fn conv_forward(
     padding_r: [i64; 2],
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_convolution_forward_primitive_desc_create";
     let (s, pl, pr) = (spatial(strides), spatial(padding_l), spatial(padding_r));
-    PrimitiveDesc::create(engine, "convolution forward", CALL, None, |api, out| {
+    PrimitiveDesc::create(engine, "convolution forward", None, |api| {
         // SAFETY: every descriptor and the attr are live; the dims arrays hold
         // DNNL_MAX_NDIMS entries; null dilations mean none, as in dnnl.hpp.
         unsafe {
-            (api.dnnl_convolution_forward_primitive_desc_create)(
-                out,
-                engine.raw(),
-                prop.raw(),
-                ffi::dnnl_convolution_direct,
-                src.raw,
-                weights.raw,
-                opt_md(bias),
-                dst.raw,
-                s.as_ptr(),
-                ptr::null(),
-                pl.as_ptr(),
-                pr.as_ptr(),
-                attr.raw,
+            create!(
+                api,
+                dnnl_convolution_forward_primitive_desc_create(
+                    engine.raw(),
+                    prop.raw(),
+                    ffi::dnnl_convolution_direct,
+                    src.raw,
+                    weights.raw,
+                    opt_md(bias),
+                    dst.raw,
+                    s.as_ptr(),
+                    ptr::null(),
+                    pl.as_ptr(),
+                    pr.as_ptr(),
+                    attr.raw,
+                )
             )
         }
     })
@@ -1491,18 +1443,13 @@ pub fn conv_backward_data(
     hint: &PrimitiveDesc,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_convolution_backward_data_primitive_desc_create";
     let (s, pl, pr) = (spatial(strides), spatial(padding_l), spatial(padding_r));
-    PrimitiveDesc::create(
-        engine,
-        "convolution backward data",
-        CALL,
-        Some(hint),
-        |api, out| {
-            // SAFETY: as in `conv_forward`; `hint` is a live forward descriptor.
-            unsafe {
-                (api.dnnl_convolution_backward_data_primitive_desc_create)(
-                    out,
+    PrimitiveDesc::create(engine, "convolution backward data", Some(hint), |api| {
+        // SAFETY: as in `conv_forward`; `hint` is a live forward descriptor.
+        unsafe {
+            create!(
+                api,
+                dnnl_convolution_backward_data_primitive_desc_create(
                     engine.raw(),
                     ffi::dnnl_convolution_direct,
                     diff_src.raw,
@@ -1515,9 +1462,9 @@ pub fn conv_backward_data(
                     hint.0.raw,
                     attr.raw,
                 )
-            }
-        },
-    )
+            )
+        }
+    })
 }
 
 /// A 2-D convolution's gradient with respect to its weights (and bias, if `diff_bias`), given
@@ -1535,18 +1482,13 @@ pub fn conv_backward_weights(
     hint: &PrimitiveDesc,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_convolution_backward_weights_primitive_desc_create";
     let (s, pl, pr) = (spatial(strides), spatial(padding_l), spatial(padding_r));
-    PrimitiveDesc::create(
-        engine,
-        "convolution backward weights",
-        CALL,
-        Some(hint),
-        |api, out| {
-            // SAFETY: as in `conv_backward_data`.
-            unsafe {
-                (api.dnnl_convolution_backward_weights_primitive_desc_create)(
-                    out,
+    PrimitiveDesc::create(engine, "convolution backward weights", Some(hint), |api| {
+        // SAFETY: as in `conv_backward_data`.
+        unsafe {
+            create!(
+                api,
+                dnnl_convolution_backward_weights_primitive_desc_create(
                     engine.raw(),
                     ffi::dnnl_convolution_direct,
                     src.raw,
@@ -1560,9 +1502,9 @@ pub fn conv_backward_weights(
                     hint.0.raw,
                     attr.raw,
                 )
-            }
-        },
-    )
+            )
+        }
+    })
 }
 
 /// Batch normalization, forward. `ForwardTraining` computes batch statistics into
@@ -1577,17 +1519,12 @@ pub fn batch_norm_forward(
     flags: NormFlags,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_batch_normalization_forward_primitive_desc_create";
-    PrimitiveDesc::create(
-        engine,
-        "batch normalization forward",
-        CALL,
-        None,
-        |api, out| {
-            // SAFETY: every descriptor and the attr are live.
-            unsafe {
-                (api.dnnl_batch_normalization_forward_primitive_desc_create)(
-                    out,
+    PrimitiveDesc::create(engine, "batch normalization forward", None, |api| {
+        // SAFETY: every descriptor and the attr are live.
+        unsafe {
+            create!(
+                api,
+                dnnl_batch_normalization_forward_primitive_desc_create(
                     engine.raw(),
                     prop.raw(),
                     src.raw,
@@ -1596,9 +1533,9 @@ pub fn batch_norm_forward(
                     flags.0,
                     attr.raw,
                 )
-            }
-        },
-    )
+            )
+        }
+    })
 }
 
 /// Batch normalization, backward (`Prop::Backward`: also the scale and shift gradients;
@@ -1615,17 +1552,12 @@ pub fn batch_norm_backward(
     hint: &PrimitiveDesc,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_batch_normalization_backward_primitive_desc_create";
-    PrimitiveDesc::create(
-        engine,
-        "batch normalization backward",
-        CALL,
-        Some(hint),
-        |api, out| {
-            // SAFETY: every descriptor, the hint and the attr are live.
-            unsafe {
-                (api.dnnl_batch_normalization_backward_primitive_desc_create)(
-                    out,
+    PrimitiveDesc::create(engine, "batch normalization backward", Some(hint), |api| {
+        // SAFETY: every descriptor, the hint and the attr are live.
+        unsafe {
+            create!(
+                api,
+                dnnl_batch_normalization_backward_primitive_desc_create(
                     engine.raw(),
                     prop.raw(),
                     diff_src.raw,
@@ -1636,9 +1568,9 @@ pub fn batch_norm_backward(
                     hint.0.raw,
                     attr.raw,
                 )
-            }
-        },
-    )
+            )
+        }
+    })
 }
 
 /// An element-wise operation, forward.
@@ -1653,20 +1585,21 @@ pub fn eltwise_forward(
     beta: f32,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_eltwise_forward_primitive_desc_create";
-    PrimitiveDesc::create(engine, "eltwise forward", CALL, None, |api, out| {
+    PrimitiveDesc::create(engine, "eltwise forward", None, |api| {
         // SAFETY: every descriptor and the attr are live.
         unsafe {
-            (api.dnnl_eltwise_forward_primitive_desc_create)(
-                out,
-                engine.raw(),
-                prop.raw(),
-                alg.raw(),
-                src.raw,
-                dst.raw,
-                alpha,
-                beta,
-                attr.raw,
+            create!(
+                api,
+                dnnl_eltwise_forward_primitive_desc_create(
+                    engine.raw(),
+                    prop.raw(),
+                    alg.raw(),
+                    src.raw,
+                    dst.raw,
+                    alpha,
+                    beta,
+                    attr.raw,
+                )
             )
         }
     })
@@ -1686,21 +1619,22 @@ pub fn eltwise_backward(
     hint: &PrimitiveDesc,
     attr: &Attr,
 ) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_eltwise_backward_primitive_desc_create";
-    PrimitiveDesc::create(engine, "eltwise backward", CALL, Some(hint), |api, out| {
+    PrimitiveDesc::create(engine, "eltwise backward", Some(hint), |api| {
         // SAFETY: every descriptor, the hint and the attr are live.
         unsafe {
-            (api.dnnl_eltwise_backward_primitive_desc_create)(
-                out,
-                engine.raw(),
-                alg.raw(),
-                diff_src.raw,
-                diff_dst.raw,
-                data.raw,
-                alpha,
-                beta,
-                hint.0.raw,
-                attr.raw,
+            create!(
+                api,
+                dnnl_eltwise_backward_primitive_desc_create(
+                    engine.raw(),
+                    alg.raw(),
+                    diff_src.raw,
+                    diff_dst.raw,
+                    data.raw,
+                    alpha,
+                    beta,
+                    hint.0.raw,
+                    attr.raw,
+                )
             )
         }
     })
@@ -1708,18 +1642,19 @@ pub fn eltwise_backward(
 
 /// A copy between two layouts (or data types) of the same logical tensor, on one engine.
 pub fn reorder(engine: &Engine, from: &MemoryDesc, to: &MemoryDesc) -> Result<PrimitiveDesc> {
-    const CALL: &str = "dnnl_reorder_primitive_desc_create";
     let attr = Attr::new(engine.library())?;
-    PrimitiveDesc::create(engine, "reorder", CALL, None, |api, out| {
+    PrimitiveDesc::create(engine, "reorder", None, |api| {
         // SAFETY: both descriptors and the attr are live; one engine on both sides.
         unsafe {
-            (api.dnnl_reorder_primitive_desc_create)(
-                out,
-                from.raw,
-                engine.raw(),
-                to.raw,
-                engine.raw(),
-                attr.raw,
+            create!(
+                api,
+                dnnl_reorder_primitive_desc_create(
+                    from.raw,
+                    engine.raw(),
+                    to.raw,
+                    engine.raw(),
+                    attr.raw,
+                )
             )
         }
     })
@@ -1765,7 +1700,6 @@ impl fmt::Debug for Primitive {
 impl Primitive {
     /// Creates the primitive (JIT code generation happens here: do it once per layer).
     pub fn new(pd: &PrimitiveDesc) -> Result<Self> {
-        const CALL: &str = "dnnl_primitive_create";
         let lib = pd.lib();
         let mut args = Vec::new();
         for a in arg::ALL {
@@ -1781,15 +1715,8 @@ impl Primitive {
             None
         };
         lib.apply_threads(pd.threads());
-        let mut raw = ptr::null_mut();
-        // SAFETY: `raw` is a valid out-pointer; the descriptor is live.
-        check(
-            unsafe { (lib.api().dnnl_primitive_create)(&mut raw, pd.0.raw) },
-            CALL,
-        )?;
-        if raw.is_null() {
-            return Err(null_handle(CALL));
-        }
+        // SAFETY: the descriptor is live.
+        let raw = unsafe { create!(lib.api(), dnnl_primitive_create(pd.0.raw)) }?;
         Ok(Self {
             pd: pd.clone(),
             raw,
