@@ -18,32 +18,17 @@ fn same(what: &str, cpu: &[f32], onednn: &[f32]) {
     assert_close(what, &to_f64(onednn), &to_f64(cpu), TOLERANCE);
 }
 
-/// `equivalence!(name, key: value, ..)`: the spec as an f32 layer without a norm, with BatchNorm
-/// and with LayerNorm, each on both devices.
+/// `equivalence!(name, spec, { keys }, [dtype])` (a spec of `for_each_spec!(parsed ..)`): the
+/// spec as an f32 layer without a norm, with BatchNorm and with LayerNorm, each on both devices.
 macro_rules! equivalence {
-    (
-        $name:ident,
-        input: [$ih:literal, $iw:literal, $ic:literal],
-        out_channels: $oc:literal,
-        kernel: $kernel:tt
-        $(, stride: $stride:tt)?
-        $(, padding: $padding:tt)?
-        $(, activation: $activation:ident)?
-        $(, batch: $batch:literal)?
-        $(, dtype: $dtype:ident)?
-        $(,)?
-    ) => {
+    ($name:ident, $spec:expr, { $($keys:tt)* }, $dtype:tt) => {
         mod $name {
-            equivalence!(@norm plain, None, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)?);
-            equivalence!(@norm batch_norm, BatchNorm { momentum: 0.3, eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)?);
-            equivalence!(@norm layer_norm, LayerNorm { eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)?);
+            equivalence!(@norm plain, { $($keys)* norm: None, });
+            equivalence!(@norm batch_norm, { $($keys)* norm: BatchNorm { momentum: 0.3, eps: 1e-3 }, });
+            equivalence!(@norm layer_norm, { $($keys)* norm: LayerNorm { eps: 1e-3 }, });
         }
     };
-    (@norm $module:ident, $norm:ident $({ $($norm_args:tt)* })?, [$ih:literal, $iw:literal, $ic:literal], $oc:literal, $kernel:tt
-        $(, stride: $stride:tt)? $(, padding: $padding:tt)? $(, activation: $activation:ident)? $(, batch: $batch:literal)?) => {
+    (@norm $module:ident, { $($keys:tt)* }) => {
         mod $module {
             use super::super::same;
             use crate::common::SplitMix64;
@@ -51,26 +36,27 @@ macro_rules! equivalence {
 
             conv_runtime::conv2d! {
                 pub struct Layer {
-                    input: [$ih, $iw, $ic],
-                    out_channels: $oc,
-                    kernel: $kernel,
-                    $(stride: $stride,)?
-                    $(padding: $padding,)?
-                    $(activation: $activation,)?
-                    norm: $norm $({ $($norm_args)* })?,
-                    $(batch: $batch,)?
+                    $($keys)*
                     dtype: f32,
                 }
             }
 
-            type Input = Tensor<f32, { Layer::BATCH_SIZE }, $ih, $iw, $ic>;
-            type Output = Tensor<
+            type Inputs<const B: usize> = Tensor<
                 f32,
-                { Layer::BATCH_SIZE },
+                B,
+                { Layer::INPUT_HEIGHT },
+                { Layer::INPUT_WIDTH },
+                { Layer::INPUT_CHANNELS },
+            >;
+            type Outputs<const B: usize> = Tensor<
+                f32,
+                B,
                 { Layer::OUTPUT_HEIGHT },
                 { Layer::OUTPUT_WIDTH },
-                $oc,
+                { Layer::OUTPUT_CHANNELS },
             >;
+            type Input = Inputs<{ Layer::BATCH_SIZE }>;
+            type Output = Outputs<{ Layer::BATCH_SIZE }>;
 
             fn values(data: &mut SplitMix64, n: usize) -> Vec<f32> {
                 data.values(n).into_iter().map(|v| v as f32).collect()
@@ -78,7 +64,8 @@ macro_rules! equivalence {
 
             #[test]
             fn every_operation_matches_the_cpu() {
-                let mut data = SplitMix64::new(0x0d11_0000 + $ih * 1000 + $oc);
+                let seed = Layer::INPUT_HEIGHT * 1000 + Layer::OUTPUT_CHANNELS;
+                let mut data = SplitMix64::new(0x0d11_0000 + seed as u64);
                 let layer = Layer::new(&mut Rng::seed_from_u64(5));
                 let x = Input::from_vec(values(&mut data, Input::LEN)).unwrap();
                 let d_output = Output::from_vec(values(&mut data, Output::LEN)).unwrap();
@@ -89,8 +76,8 @@ macro_rules! equivalence {
                 layer.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
                 layer.evaluate(&mut onednn, &x, &mut y_dnn).unwrap();
                 same("evaluate", y_cpu.as_slice(), y_dnn.as_slice());
-                let x3 = Tensor::<f32, 3, $ih, $iw, $ic>::from_vec(values(&mut data, 3 * $ih * $iw * $ic)).unwrap();
-                let mut y3_cpu = Tensor::<f32, 3, { Layer::OUTPUT_HEIGHT }, { Layer::OUTPUT_WIDTH }, $oc>::zeros();
+                let x3 = Inputs::<3>::from_vec(values(&mut data, Inputs::<3>::LEN)).unwrap();
+                let mut y3_cpu = Outputs::<3>::zeros();
                 let mut y3_dnn = y3_cpu.clone();
                 layer.evaluate(&mut cpu, &x3, &mut y3_cpu).unwrap();
                 layer.evaluate(&mut onednn, &x3, &mut y3_dnn).unwrap();
@@ -126,7 +113,7 @@ macro_rules! equivalence {
     };
 }
 
-for_each_spec!(equivalence);
+for_each_spec!(parsed equivalence);
 
 mod fallback {
     use conv_runtime::prelude::*;

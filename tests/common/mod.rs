@@ -7,6 +7,12 @@
 
 #[macro_use]
 mod spec_list;
+#[macro_use]
+mod spec_tests;
+#[macro_use]
+mod case_list;
+#[macro_use]
+pub mod conformance;
 
 /// `[h, w]` from a spec size written `n` or `[h, w]`.
 macro_rules! dims {
@@ -526,6 +532,11 @@ impl Case {
             Some("eval") => false,
             mode => panic!("unknown mode {mode:?}"),
         }
+    }
+
+    /// The spec's `dtype`, as `conv2d!` writes it.
+    pub fn dtype(&self) -> &str {
+        self.0["spec"]["dtype"].as_str().expect("dtype")
     }
 
     pub fn mode(&self) -> Mode {
