@@ -66,32 +66,18 @@ fn gradients<P: Parameters + Clone>(
     all
 }
 
-/// `equivalence!(name, key: value, ..)`: the spec without a norm, with BatchNorm and with
+/// `equivalence!(name, spec, { keys }, [dtype])` (a spec of `for_each_spec!(parsed ..)`, or of
+/// `parse_spec!`): the spec in its own element type without a norm, with BatchNorm and with
 /// LayerNorm, each on both devices.
 macro_rules! equivalence {
-    (
-        $name:ident,
-        input: [$ih:literal, $iw:literal, $ic:literal],
-        out_channels: $oc:literal,
-        kernel: $kernel:tt
-        $(, stride: $stride:tt)?
-        $(, padding: $padding:tt)?
-        $(, activation: $activation:ident)?
-        $(, batch: $batch:literal)?
-        $(, dtype: $dtype:ident)?
-        $(,)?
-    ) => {
+    ($name:ident, $spec:expr, { $($keys:tt)* }, [$($dtype:ident)?]) => {
         mod $name {
-            equivalence!(@norm plain, None, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
-            equivalence!(@norm batch_norm, BatchNorm { momentum: 0.3, eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
-            equivalence!(@norm layer_norm, LayerNorm { eps: 1e-3 }, [$ih, $iw, $ic], $oc, $kernel
-                $(, stride: $stride)? $(, padding: $padding)? $(, activation: $activation)? $(, batch: $batch)? $(, dtype: $dtype)?);
+            equivalence!(@norm plain, { $($keys)* norm: None, $(dtype: $dtype,)? });
+            equivalence!(@norm batch_norm, { $($keys)* norm: BatchNorm { momentum: 0.3, eps: 1e-3 }, $(dtype: $dtype,)? });
+            equivalence!(@norm layer_norm, { $($keys)* norm: LayerNorm { eps: 1e-3 }, $(dtype: $dtype,)? });
         }
     };
-    (@norm $module:ident, $norm:ident $({ $($norm_args:tt)* })?, [$ih:literal, $iw:literal, $ic:literal], $oc:literal, $kernel:tt
-        $(, stride: $stride:tt)? $(, padding: $padding:tt)? $(, activation: $activation:ident)? $(, batch: $batch:literal)? $(, dtype: $dtype:ident)?) => {
+    (@norm $module:ident, { $($keys:tt)* }) => {
         pub mod $module {
             use crate::common::{convert, SplitMix64};
             use crate::{gpu, gradients, same, tolerance};
@@ -99,33 +85,35 @@ macro_rules! equivalence {
 
             conv_runtime::conv2d! {
                 pub struct Layer {
-                    input: [$ih, $iw, $ic],
-                    out_channels: $oc,
-                    kernel: $kernel,
-                    $(stride: $stride,)?
-                    $(padding: $padding,)?
-                    $(activation: $activation,)?
-                    norm: $norm $({ $($norm_args)* })?,
-                    $(batch: $batch,)?
-                    $(dtype: $dtype,)?
+                    $($keys)*
                 }
             }
 
             type T = <Layer as Parameters>::Elem;
-            type Input = Tensor<T, { Layer::BATCH_SIZE }, $ih, $iw, $ic>;
-            type Output = Tensor<
+            type Inputs<const B: usize> = Tensor<
                 T,
-                { Layer::BATCH_SIZE },
+                B,
+                { Layer::INPUT_HEIGHT },
+                { Layer::INPUT_WIDTH },
+                { Layer::INPUT_CHANNELS },
+            >;
+            type Outputs<const B: usize> = Tensor<
+                T,
+                B,
                 { Layer::OUTPUT_HEIGHT },
                 { Layer::OUTPUT_WIDTH },
-                $oc,
+                { Layer::OUTPUT_CHANNELS },
             >;
+            type Input = Inputs<{ Layer::BATCH_SIZE }>;
+            type Output = Outputs<{ Layer::BATCH_SIZE }>;
+            /// Seeds the test data per spec.
+            const SEED: u64 = (Layer::INPUT_HEIGHT * 1000 + Layer::OUTPUT_CHANNELS) as u64;
 
             #[test]
             fn every_operation_matches_the_cpu() {
                 let Some(mut cuda) = gpu() else { return };
                 let tol = tolerance::<T>();
-                let mut data = SplitMix64::new(0x0c0d_a000 + $ih * 1000 + $oc);
+                let mut data = SplitMix64::new(0x0c0d_a000 + SEED);
                 let layer = Layer::new(&mut Rng::seed_from_u64(5));
                 let x = Input::from_vec(convert(&data.values(Input::LEN))).unwrap();
                 let d_output = Output::from_vec(convert(&data.values(Output::LEN))).unwrap();
@@ -136,8 +124,8 @@ macro_rules! equivalence {
                 layer.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
                 layer.evaluate(&mut cuda, &x, &mut y_gpu).unwrap();
                 same("evaluate", y_cpu.as_slice(), y_gpu.as_slice(), tol);
-                let x3 = Tensor::<T, 3, $ih, $iw, $ic>::from_vec(convert(&data.values(3 * $ih * $iw * $ic))).unwrap();
-                let mut y3_cpu = Tensor::<T, 3, { Layer::OUTPUT_HEIGHT }, { Layer::OUTPUT_WIDTH }, $oc>::zeros();
+                let x3 = Inputs::<3>::from_vec(convert(&data.values(Inputs::<3>::LEN))).unwrap();
+                let mut y3_cpu = Outputs::<3>::zeros();
                 let mut y3_gpu = y3_cpu.clone();
                 layer.evaluate(&mut cpu, &x3, &mut y3_cpu).unwrap();
                 layer.evaluate(&mut cuda, &x3, &mut y3_gpu).unwrap();
@@ -182,7 +170,7 @@ macro_rules! equivalence {
                 let Some(mut cuda) = gpu() else { return };
                 type A = <T as Element>::Acc;
                 let tol = tolerance::<T>();
-                let mut data = SplitMix64::new(0x0c0d_b000 + $ih * 1000 + $oc);
+                let mut data = SplitMix64::new(0x0c0d_b000 + SEED);
                 let layer = Layer::new(&mut Rng::seed_from_u64(6));
                 let x = Input::from_vec(convert(&data.values(Input::LEN))).unwrap();
                 let d_output = Output::from_vec(convert(&data.values(Output::LEN))).unwrap();
@@ -276,25 +264,25 @@ macro_rules! equivalence {
     };
 }
 
-for_each_spec!(equivalence);
+for_each_spec!(parsed equivalence);
 
 // Large enough for cuDNN (forward FLOPs above 2^24 with wide GEMM dimensions), in every element
 // type, and small half-precision layers on the direct kernels.
-equivalence!(cudnn_f32, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+parse_spec!(equivalence; cudnn_f32, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
     activation: Relu, batch: 4, dtype: f32);
-equivalence!(cudnn_f32_stride2, input: [32, 32, 16], out_channels: 32, kernel: 3, stride: 2,
+parse_spec!(equivalence; cudnn_f32_stride2, input: [32, 32, 16], out_channels: 32, kernel: 3, stride: 2,
     padding: 1, activation: Gelu, batch: 8, dtype: f32);
-equivalence!(cudnn_f64, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+parse_spec!(equivalence; cudnn_f64, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
     activation: Tanh, batch: 4, dtype: f64);
-equivalence!(cudnn_f16, input: [16, 16, 32], out_channels: 32, kernel: [3, 2], padding: [1, 0],
+parse_spec!(equivalence; cudnn_f16, input: [16, 16, 32], out_channels: 32, kernel: [3, 2], padding: [1, 0],
     activation: Sigmoid, batch: 8, dtype: f16);
-equivalence!(cudnn_bf16, input: [16, 16, 32], out_channels: 32, kernel: 3, stride: [1, 2],
+parse_spec!(equivalence; cudnn_bf16, input: [16, 16, 32], out_channels: 32, kernel: 3, stride: [1, 2],
     padding: 1, activation: FastTanh, batch: 8, dtype: bf16);
-equivalence!(cudnn_f16_relu, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
+parse_spec!(equivalence; cudnn_f16_relu, input: [16, 16, 32], out_channels: 32, kernel: 3, padding: 1,
     activation: Relu, batch: 8, dtype: f16);
-equivalence!(direct_f16, input: [8, 9, 4], out_channels: 8, kernel: 3, stride: 2, padding: 1,
+parse_spec!(equivalence; direct_f16, input: [8, 9, 4], out_channels: 8, kernel: 3, stride: 2, padding: 1,
     activation: Relu, batch: 2, dtype: f16);
-equivalence!(direct_bf16, input: [7, 7, 3], out_channels: 5, kernel: [2, 3], padding: [0, 1],
+parse_spec!(equivalence; direct_bf16, input: [7, 7, 3], out_channels: 5, kernel: [2, 3], padding: [0, 1],
     activation: Gelu, batch: 3, dtype: bf16);
 
 /// The rule of `conv_macros::expand::cuda` sends the small specs to the direct kernels and the

@@ -1,18 +1,15 @@
 //! The generated specs every suite runs (forward and backward against the reference, half
 //! precision, oneDNN and CUDA against the CPU device).
 //!
-//! `for_each_spec!(m)` calls `m!(name, key: value, ..)` for each, keys in the order `input,
-//! out_channels, kernel, stride, padding, activation, batch, dtype`, each optional key only where
-//! given. `for_each_spec!(parsed m)` calls `m!(name, spec, { keys }, [dtype])` instead (see
-//! `parse_spec!`), so that the keys are matched here, once, rather than in every suite.
+//! `for_each_spec!(parsed m)` calls `m!(name, spec, { keys }, [dtype])` for each (see
+//! `parse_spec!`), so that the keys are matched here, once, rather than in every suite. The specs
+//! are written `name, key: value, ..`, keys in the order `input, out_channels, kernel, stride,
+//! padding, activation, batch, dtype`, each optional key only where given.
 
 #[allow(unused_macros)]
 macro_rules! for_each_spec {
     (parsed $m:ident) => {
         for_each_spec!(@list parse_spec, $m;);
-    };
-    ($m:ident) => {
-        for_each_spec!(@list $m,);
     };
     // `$pre`: tokens put before each spec's name.
     (@list $m:ident, $($pre:tt)*) => {
