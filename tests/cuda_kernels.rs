@@ -143,9 +143,10 @@ fn errors_name_the_kernel_file() {
         f32_identity::Layer::__CUDA_SOURCE
     );
     let err = nvrtc::compile(&source, ARCH).unwrap_err();
-    // The direct kernels are the last file of a direct layer's source.
+    // The direct gradients are the last file of a direct layer's source.
     assert!(
-        err.reason.contains("conv_macros/kernels/direct.cu("),
+        err.reason
+            .contains("conv_macros/kernels/direct_backward.cu("),
         "{err}"
     );
     assert!(err.reason.contains("broken on purpose"), "{err}");

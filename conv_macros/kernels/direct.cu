@@ -5,125 +5,40 @@
 // Each output value is one work item computed by one thread in a fixed order, so there are no
 // atomics and the results are the same on every run. The loop bounds are the spec's constants:
 // the compiler sees every trip count and drops the border tests of an unpadded layer.
-
-// y = bias + sum over (kh, kw, ic) of x * w, over `batch` images (`forward` and `evaluate`),
-// into the accumulator type; the epilogue kernels (activation_*, narrow, bn_evaluate) round it.
-// Work items: batch * NPIX * OC outputs, channel fastest, so the threads of a warp share the
-// input pixel and read the weights (a few KB, cached) by channel.
-extern "C" __global__ void __launch_bounds__(THREADS)
-conv_forward(int batch, const T* x, const T* w, const T* bias, acc_t* y) {
-    const long long count = (long long)batch * NPIX * OC;
-    for (long long i = first_element(); i < count; i += element_stride()) {
-        const int oc = (int)(i % OC);
-        const long long pixel = i / OC;
-        const int ow = (int)(pixel % OW);
-        const int oh = (int)(pixel / OW % OH);
-        const long long n = pixel / NPIX;
-        const T* image = x + n * IH * IW * IC;
-        const T* filter = w + (long long)oc * WINDOW;
-        // The CPU's order: the bias, then the window row by row.
-        acc_t sum = to_acc(bias[oc]);
-        for (int kh = 0; kh < KH; ++kh) {
-            const int ih = oh * SH - PH + kh;
-            if (PADDED && (ih < 0 || ih >= IH)) {
-                continue;
-            }
-            for (int kw = 0; kw < KW; ++kw) {
-                const int iw = ow * SW - PW + kw;
-                if (PADDED && (iw < 0 || iw >= IW)) {
-                    continue;
-                }
-                const T* xp = image + (ih * IW + iw) * IC;
-                const T* wp = filter + (kh * KW + kw) * IC;
-                for (int ic = 0; ic < IC; ++ic) {
-                    sum += to_acc(xp[ic]) * to_acc(wp[ic]);
-                }
-            }
-        }
-        y[i] = sum;
-    }
-}
-
-// d_input = the transposed convolution of dz (BATCH images) with w, gathered: each input value
-// sums dz[pixel][oc] * w[oc][kh][kw][ic] over the output pixels whose window covered it with
-// tap (kh, kw). Overwrites d_input, as the CPU does. Work items: BATCH * IH * IW * IC inputs,
-// channel fastest.
-extern "C" __global__ void __launch_bounds__(THREADS)
-conv_backward_data(const acc_t* dz, const T* w, T* d_input) {
-    const long long count = (long long)BATCH * IH * IW * IC;
-    for (long long i = first_element(); i < count; i += element_stride()) {
-        const int ic = (int)(i % IC);
-        const long long pixel = i / IC;
-        const int iw = (int)(pixel % IW);
-        const int ih = (int)(pixel / IW % IH);
-        const long long n = pixel / (IH * IW);
-        acc_t sum = ACC(0);
-        for (int kh = 0; kh < KH; ++kh) {
-            // Tap kh of output row oh reads input row oh * SH - PH + kh.
-            const int th = ih + PH - kh;
-            if (th < 0 || th % SH != 0 || th / SH >= OH) {
-                continue;
-            }
-            const int oh = th / SH;
-            for (int kw = 0; kw < KW; ++kw) {
-                const int tw = iw + PW - kw;
-                if (tw < 0 || tw % SW != 0 || tw / SW >= OW) {
-                    continue;
-                }
-                const int ow = tw / SW;
-                const acc_t* dzp = dz + ((n * OH + oh) * OW + ow) * OC;
-                const T* wp = w + (kh * KW + kw) * IC + ic;
-                for (int oc = 0; oc < OC; ++oc) {
-                    sum += dzp[oc] * to_acc(wp[(long long)oc * WINDOW]);
-                }
-            }
-        }
-        d_input[i] = from_acc(sum);
-    }
-}
-
-// The weight gradient d_w[oc][kh][kw][ic] += sum over the ROWS output pixels of
-// x[pixel's input at tap (kh, kw)][ic] * dz[pixel][oc], in two phases like the bias gradient
-// (backward.cu), deterministic and spread over the GPU:
 //
-// 1. conv_backward_weights_partial: WEIGHT_CHUNKS * OC * WINDOW work items; item (k, j), j the
-//    OHWI index, sums rows [k * WEIGHT_CHUNK_ROWS, (k + 1) * WEIGHT_CHUNK_ROWS) in row order into
-//    partials[k * OC * WINDOW + j]. Neighbouring threads take neighbouring input channels of
-//    the same tap and output channel: coalesced input reads, one broadcast dz value.
-// 2. conv_backward_weights_finish: one block per weight sums its WEIGHT_CHUNKS partials
-//    (block_sum) and adds the total to d_w.
-//
-// `partials` is the layer's reduction scratch (__CUDA_SCRATCH elements of acc_t).
-extern "C" __global__ void __launch_bounds__(THREADS)
-conv_backward_weights_partial(const T* x, const acc_t* dz, acc_t* partials) {
-    constexpr int LEN = OC * WINDOW;
-    for (long long item = first_element(); item < (long long)WEIGHT_CHUNKS * LEN;
-         item += element_stride()) {
-        const int j = (int)(item % LEN);
-        const int k = (int)(item / LEN);
-        const int oc = j / WINDOW;
-        const int r = j % WINDOW;
-        const int ic = r % IC;
-        const int kw = r / IC % KW;
-        const int kh = r / (IC * KW);
-        const int end = min((k + 1) * WEIGHT_CHUNK_ROWS, ROWS);
-        acc_t sum = ACC(0);
-        for (int q = k * WEIGHT_CHUNK_ROWS; q < end; ++q) {
-            const int n = q / NPIX;
-            const int p = q % NPIX;
-            const int ih = p / OW * SH - PH + kh;
-            const int iw = p % OW * SW - PW + kw;
-            if (PADDED && (ih < 0 || ih >= IH || iw < 0 || iw >= IW)) {
+// This file holds the forward sum the forward kernels share; the kernels are in
+// direct_forward.cu (layers with a norm), direct_fused.cu (without one: the activation in the
+// same kernel) and direct_backward.cu (both gradients), each included where the spec uses it.
+
+// bias[oc] + sum over (kh, kw, ic) of x * w for work item `i` (an output value of `x`'s images,
+// channel fastest: the threads of a warp share the input pixel and read the weights, a few KB
+// and cached, by channel), in the accumulator type and the CPU's order: the bias, then the
+// window row by row.
+__device__ __forceinline__ acc_t conv_sum(long long i, const T* x, const T* w, const T* bias) {
+    const int oc = (int)(i % OC);
+    const long long pixel = i / OC;
+    const int ow = (int)(pixel % OW);
+    const int oh = (int)(pixel / OW % OH);
+    const long long n = pixel / NPIX;
+    const T* image = x + n * IH * IW * IC;
+    const T* filter = w + (long long)oc * WINDOW;
+    acc_t sum = to_acc(bias[oc]);
+    for (int kh = 0; kh < KH; ++kh) {
+        const int ih = oh * SH - PH + kh;
+        if (PADDED && (ih < 0 || ih >= IH)) {
+            continue;
+        }
+        for (int kw = 0; kw < KW; ++kw) {
+            const int iw = ow * SW - PW + kw;
+            if (PADDED && (iw < 0 || iw >= IW)) {
                 continue;
             }
-            const long long xi = (((long long)n * IH + ih) * IW + iw) * IC + ic;
-            sum += to_acc(x[xi]) * dz[(long long)q * OC + oc];
+            const T* xp = image + (ih * IW + iw) * IC;
+            const T* wp = filter + (kh * KW + kw) * IC;
+            for (int ic = 0; ic < IC; ++ic) {
+                sum += to_acc(xp[ic]) * to_acc(wp[ic]);
+            }
         }
-        partials[item] = sum;
     }
-}
-
-extern "C" __global__ void __launch_bounds__(THREADS)
-conv_backward_weights_finish(const acc_t* partials, acc_t* d_weights) {
-    finish_partials<OC * WINDOW, WEIGHT_CHUNKS>(partials, d_weights);
+    return sum;
 }

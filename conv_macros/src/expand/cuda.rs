@@ -47,11 +47,16 @@
 //! `CUDNN_FMA_MATH` (TF32 would round the operands, a change of the math) and deterministic
 //! algorithms.
 //!
+//! Layers without a norm on the direct kernels run each forward operation as one kernel with
+//! the activation inside (`conv_evaluate`, `conv_forward_activation`): at the sizes the direct
+//! kernels serve, a launch and a round trip through memory cost as much as the arithmetic.
+//!
 //! - `evaluate`: cuDNN layers without a norm whose activation is ReLU run cuDNN's fused
 //!   convolution + bias + ReLU into the output (f32; half types on widened copies, then
-//!   `narrow`), see [`fused`]. Otherwise convolution into `y`; then no norm: `activation_evaluate`; BatchNorm:
-//!   `bn_evaluate`; LayerNorm: `y` rounded into the output (`narrow` for half types),
-//!   `ln_stats` into a per-sample scratch, `norm_affine` in place without pre-activation.
+//!   `narrow`), see [`fused`]. Otherwise convolution into `y`; then no norm:
+//!   `activation_evaluate`; BatchNorm: `bn_evaluate`; LayerNorm: `y` rounded into the output
+//!   (`narrow` for half types), `ln_stats` into a per-sample scratch, `norm_affine` in place
+//!   without pre-activation.
 //! - `forward`: convolution into `y`; then no norm: `activation_forward`; with a norm: `y`
 //!   rounded into `conv` (`narrow` for half types), then BatchNorm `bn_stats_train` (Train) or
 //!   `bn_stats_eval` (Eval), or LayerNorm `ln_stats`, then `norm_affine`.
@@ -144,8 +149,22 @@ const WIDEN: File = File {
 const DIRECT: File = File {
     name: "conv_macros/kernels/direct.cu",
     text: include_str!("../../kernels/direct.cu"),
+    kernels: &[],
+};
+const DIRECT_FORWARD: File = File {
+    name: "conv_macros/kernels/direct_forward.cu",
+    text: include_str!("../../kernels/direct_forward.cu"),
+    kernels: &["conv_forward"],
+};
+const DIRECT_FUSED: File = File {
+    name: "conv_macros/kernels/direct_fused.cu",
+    text: include_str!("../../kernels/direct_fused.cu"),
+    kernels: &["conv_evaluate", "conv_forward_activation"],
+};
+const DIRECT_BACKWARD: File = File {
+    name: "conv_macros/kernels/direct_backward.cu",
+    text: include_str!("../../kernels/direct_backward.cu"),
     kernels: &[
-        "conv_forward",
         "conv_backward_data",
         "conv_backward_weights_partial",
         "conv_backward_weights_finish",
@@ -257,14 +276,17 @@ impl Plan {
         let direct = direct(spec);
         let half = spec.dtype.is_half();
         let rows = spec.batch * spec.out_h() * spec.out_w();
+        let norm = spec.norm != Norm::None;
         let mut files = vec![COMMON];
         match spec.norm {
+            // The direct kernels apply the activation themselves.
+            Norm::None if direct => {}
             Norm::None => files.push(ACTIVATION),
             Norm::BatchNorm { .. } => files.extend([NORMALIZE, BATCH_NORM]),
             Norm::LayerNorm { .. } => files.extend([NORMALIZE, LAYER_NORM]),
         }
         files.push(BACKWARD);
-        if half && (spec.norm != Norm::None || !direct) {
+        if half && (norm || !direct) {
             files.push(NARROW);
         }
         if half && !direct {
@@ -272,6 +294,8 @@ impl Plan {
         }
         if direct {
             files.push(DIRECT);
+            files.push(if norm { DIRECT_FORWARD } else { DIRECT_FUSED });
+            files.push(DIRECT_BACKWARD);
         }
         Self {
             direct,
@@ -531,6 +555,9 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 }
             }
         }
+        Norm::None if direct => quote! {
+            s.launch("conv_evaluate", blocks_for(count), &[Arg::Int(__B), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(out)])?;
+        },
         Norm::None => quote! {
             let y = s.zeros::<__A>(count)?;
             conv(s, __B, x, w, b, &y)?;
@@ -563,6 +590,10 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     };
 
     let forward_body = match spec.norm {
+        Norm::None if direct => quote! {
+            let _ = mode;
+            s.launch("conv_forward_activation", blocks_for(n), &[Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(state.pre_activation.__buf_mut()), Arg::Buf(state.output.__buf_mut())])?;
+        },
         Norm::None => {
             // f32 and f64: the convolution writes the pre-activation itself (T is the
             // accumulator type; the activation reads each element before writing it).
@@ -1120,17 +1151,23 @@ mod tests {
         assert_eq!(
             names(&small),
             [
-                "activation_forward",
-                "activation_evaluate",
                 "activation_backward",
                 "bias_grad_partial",
                 "bias_grad_finish",
-                "conv_forward",
+                "conv_evaluate",
+                "conv_forward_activation",
                 "conv_backward_data",
                 "conv_backward_weights_partial",
                 "conv_backward_weights_finish",
             ]
         );
+        let mut small_bn = spec([8, 8, 3], 4, 3, 1, 2);
+        small_bn.norm = Norm::BatchNorm {
+            momentum: 0.1,
+            eps: 1e-5,
+        };
+        let k = names(&small_bn);
+        assert!(k.contains(&"conv_forward") && !k.contains(&"conv_evaluate"));
         let mut half_bn_cudnn = spec([56, 56, 64], 64, 3, 1, 8);
         half_bn_cudnn.dtype = Dtype::Bf16;
         half_bn_cudnn.norm = Norm::BatchNorm {
@@ -1141,6 +1178,10 @@ mod tests {
         assert!(k.contains(&"bn_stats_train") && k.contains(&"norm_affine"));
         assert!(k.contains(&"narrow") && k.contains(&"widen"));
         assert!(!k.contains(&"conv_forward") && !k.contains(&"activation_forward"));
+        let mut cudnn_relu = spec([56, 56, 64], 64, 3, 1, 8);
+        cudnn_relu.norm = Norm::None;
+        let k = names(&cudnn_relu);
+        assert!(k.contains(&"activation_evaluate") && !k.contains(&"conv_evaluate"));
         let mut ln = spec([8, 8, 3], 4, 3, 1, 2);
         ln.norm = Norm::LayerNorm { eps: 1e-5 };
         let k = names(&ln);
