@@ -204,33 +204,30 @@ mod tests {
                 .unwrap()
                 .mean
         };
+        // Central difference of the loss in one scalar that `nudge(head, h, by)` moves.
         let eps = 1e-6;
+        type Head = Linear<f64, 5, 3>;
+        let numeric = |nudge: &dyn Fn(&mut Head, &mut [f64], f64)| {
+            let (mut up, mut up_h) = (head.clone(), h.clone());
+            let (mut down, mut down_h) = (head.clone(), h.clone());
+            nudge(&mut up, &mut up_h, eps);
+            nudge(&mut down, &mut down_h, -eps);
+            (loss(&up, &up_h) - loss(&down, &down_h)) / (2.0 * eps)
+        };
         for j in 0..h.len() {
-            let (mut up, mut down) = (h.clone(), h.clone());
-            up[j] += eps;
-            down[j] -= eps;
-            let numeric = (loss(&head, &up) - loss(&head, &down)) / (2.0 * eps);
-            assert!((numeric - d_h[j]).abs() < 1e-8, "d_h[{j}]");
+            let n = numeric(&|_, h, by| h[j] += by);
+            assert!((n - d_h[j]).abs() < 1e-8, "d_h[{j}]");
         }
         for i in 0..15 {
-            let (mut up, mut down) = (head.clone(), head.clone());
-            up.weight.as_mut_slice()[i] += eps;
-            down.weight.as_mut_slice()[i] -= eps;
-            let numeric = (loss(&up, &h) - loss(&down, &h)) / (2.0 * eps);
+            let n = numeric(&|head, _, by| head.weight.as_mut_slice()[i] += by);
             assert!(
-                (numeric - grads.weight.as_slice()[i]).abs() < 1e-8,
+                (n - grads.weight.as_slice()[i]).abs() < 1e-8,
                 "d_weight[{i}]"
             );
         }
         for k in 0..3 {
-            let (mut up, mut down) = (head.clone(), head.clone());
-            up.bias.as_mut_slice()[k] += eps;
-            down.bias.as_mut_slice()[k] -= eps;
-            let numeric = (loss(&up, &h) - loss(&down, &h)) / (2.0 * eps);
-            assert!(
-                (numeric - grads.bias.as_slice()[k]).abs() < 1e-8,
-                "d_bias[{k}]"
-            );
+            let n = numeric(&|head, _, by| head.bias.as_mut_slice()[k] += by);
+            assert!((n - grads.bias.as_slice()[k]).abs() < 1e-8, "d_bias[{k}]");
         }
     }
 
