@@ -188,21 +188,19 @@ mod tests {
 
     /// The analytic gradients match central differences of the loss, in f64.
     #[test]
-    fn gradients_match_finite_differences() {
+    fn gradients_match_finite_differences() -> Result<()> {
         let mut rng = Rng::seed_from_u64(3);
         let head = Linear::<f64, 5, 3>::new(&mut rng);
         let h: Vec<f64> = (0..10).map(|_| rng.normal()).collect();
         let labels = [2, 0];
         let mut grads = LinearGrads::zeros();
         let mut d_h = vec![0.0; 10];
-        head.softmax_cross_entropy(&h, &labels, &mut grads, &mut d_h)
-            .unwrap();
+        head.softmax_cross_entropy(&h, &labels, &mut grads, &mut d_h)?;
         let loss = |head: &Linear<f64, 5, 3>, h: &[f64]| {
             let mut g = LinearGrads::zeros();
             let mut d = vec![0.0; h.len()];
             head.softmax_cross_entropy(h, &labels, &mut g, &mut d)
-                .unwrap()
-                .mean
+                .map(|loss| loss.mean)
         };
         // Central difference of the loss in one scalar that `nudge(head, h, by)` moves.
         let eps = 1e-6;
@@ -212,23 +210,24 @@ mod tests {
             let (mut down, mut down_h) = (head.clone(), h.clone());
             nudge(&mut up, &mut up_h, eps);
             nudge(&mut down, &mut down_h, -eps);
-            (loss(&up, &up_h) - loss(&down, &down_h)) / (2.0 * eps)
+            Ok::<f64, Error>((loss(&up, &up_h)? - loss(&down, &down_h)?) / (2.0 * eps))
         };
         for j in 0..h.len() {
-            let n = numeric(&|_, h, by| h[j] += by);
+            let n = numeric(&|_, h, by| h[j] += by)?;
             assert!((n - d_h[j]).abs() < 1e-8, "d_h[{j}]");
         }
         for i in 0..15 {
-            let n = numeric(&|head, _, by| head.weight.as_mut_slice()[i] += by);
+            let n = numeric(&|head, _, by| head.weight.as_mut_slice()[i] += by)?;
             assert!(
                 (n - grads.weight.as_slice()[i]).abs() < 1e-8,
                 "d_weight[{i}]"
             );
         }
         for k in 0..3 {
-            let n = numeric(&|head, _, by| head.bias.as_mut_slice()[k] += by);
+            let n = numeric(&|head, _, by| head.bias.as_mut_slice()[k] += by)?;
             assert!((n - grads.bias.as_slice()[k]).abs() < 1e-8, "d_bias[{k}]");
         }
+        Ok(())
     }
 
     #[test]
