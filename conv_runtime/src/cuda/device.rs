@@ -675,21 +675,6 @@ impl Session<'_> {
         Buf::zeros(self.dev, bytes)
     }
 
-    /// A copy of `host` on the GPU.
-    pub fn upload<T: DeviceElement>(&self, host: &[T]) -> Result<Buf> {
-        Buf::upload(self.dev, host)
-    }
-
-    /// Copies `buf` into `host` (its first `host.len()` elements) and waits for it.
-    pub fn download<T: DeviceElement>(&self, buf: &Buf, host: &mut [T]) -> Result<()> {
-        buf.read(self.dev, host)
-    }
-
-    /// Copies `src` into `dst` (buffers of the same size), on the GPU.
-    pub fn copy(&self, src: &Buf, dst: &mut Buf) -> Result<()> {
-        dst.copy_from(self.dev, src)
-    }
-
     /// Launches `kernel` on `blocks` blocks of `THREADS` threads.
     pub fn launch(&self, kernel: &str, blocks: usize, args: &[Arg<'_>]) -> Result<()> {
         let f = self.kernels.0.get(kernel).ok_or_else(|| {
