@@ -340,14 +340,9 @@ mod training {
     use conv_runtime::head::{argmax, Linear, LinearGrads};
     use conv_runtime::prelude::*;
 
-    const SIDE: usize = 16;
-    const PIXELS: usize = SIDE * SIDE;
-    const CLASSES: usize = 4;
-    const FEATURES: usize = 4 * 4 * 16;
-    const BATCH: usize = 32;
-    const TRAIN: usize = 1024;
-    const TEST: usize = 512;
-    const EPOCHS: usize = 6;
+    use crate::common::quadrants::{
+        dataset, BATCH, CLASSES, EPOCHS, FEATURES, PIXELS, TEST, TRAIN,
+    };
 
     conv_runtime::conv2d! {
         pub struct Conv1 {
@@ -363,29 +358,6 @@ mod training {
         }
     }
 
-    fn dataset(n: usize, rng: &mut Rng) -> (Vec<f32>, Vec<usize>) {
-        let mut images = vec![0.0f32; n * PIXELS];
-        let mut labels = Vec::with_capacity(n);
-        for image in images.chunks_exact_mut(PIXELS) {
-            for p in image.iter_mut() {
-                *p = (0.5 * rng.normal()) as f32;
-            }
-            let quadrant = (rng.uniform(0.0, 4.0) as usize).min(3);
-            let half = SIDE / 2;
-            let top = (quadrant / 2) * half
-                + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
-            let left = (quadrant % 2) * half
-                + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
-            for r in top..top + 3 {
-                for c in left..left + 3 {
-                    image[r * SIDE + c] += 1.0;
-                }
-            }
-            labels.push(quadrant);
-        }
-        (images, labels)
-    }
-
     /// The read-out on the host (`conv_runtime::head::Linear`).
     type Readout = Linear<f32, FEATURES, CLASSES>;
 
@@ -394,8 +366,8 @@ mod training {
     /// images go up, conv2's features come down to the host read-out and their gradient goes up.
     fn run(cuda: &mut Cuda, seed: u64) -> (Vec<f32>, f64) {
         let mut rng = Rng::seed_from_u64(seed);
-        let (train_x, train_y) = dataset(TRAIN, &mut rng);
-        let (test_x, test_y) = dataset(TEST, &mut rng);
+        let train = dataset(TRAIN, &mut rng);
+        let test = dataset(TEST, &mut rng);
         let mut conv1 = Conv1Cuda::upload(cuda, &Conv1::new(&mut rng)).unwrap();
         let mut conv2 = Conv2Cuda::upload(cuda, &Conv2::new(&mut rng)).unwrap();
         let mut readout = Readout::new(&mut rng);
@@ -424,8 +396,8 @@ mod training {
             for batch in order.chunks_exact(BATCH) {
                 for (b, &i) in batch.iter().enumerate() {
                     x.as_mut_slice()[b * PIXELS..(b + 1) * PIXELS]
-                        .copy_from_slice(&train_x[i * PIXELS..(i + 1) * PIXELS]);
-                    labels[b] = train_y[i];
+                        .copy_from_slice(&train.images[i * PIXELS..(i + 1) * PIXELS]);
+                    labels[b] = train.labels[i];
                 }
                 x_gpu.copy_from_host(cuda, &x).unwrap();
                 conv1.forward(cuda, &x_gpu, &mut s1, Mode::Train).unwrap();
@@ -466,7 +438,7 @@ mod training {
         }
         let x_test = CudaTensor::upload(
             cuda,
-            &Tensor::<f32, TEST, 16, 16, 1>::from_vec(test_x).unwrap(),
+            &Tensor::<f32, TEST, 16, 16, 1>::from_vec(test.images).unwrap(),
         )
         .unwrap();
         let mut y1 = CudaTensor::<f32, TEST, 8, 8, 8>::zeros(cuda).unwrap();
@@ -478,7 +450,7 @@ mod training {
             .logits(y2.as_slice())
             .unwrap()
             .iter()
-            .zip(&test_y)
+            .zip(&test.labels)
             .filter(|(z, &label)| argmax(&z[..]) == label)
             .count();
         (losses, correct as f64 / TEST as f64)

@@ -15,49 +15,12 @@ use std::time::Instant;
 use conv_runtime::head::{argmax, Linear, LinearGrads};
 use conv_runtime::prelude::*;
 
-const SIDE: usize = 16;
-const PIXELS: usize = SIDE * SIDE;
-const CLASSES: usize = 4;
-const FEATURES: usize = 4 * 4 * 16;
-const BATCH: usize = 32;
-const TRAIN: usize = 1024;
-const TEST: usize = 512;
-const EPOCHS: usize = 6;
+mod common;
+
+use common::quadrants::{dataset, BATCH, CLASSES, EPOCHS, FEATURES, PIXELS, TEST, TRAIN};
+
 const LEARNING_RATE: f32 = 1e-2;
-const NOISE: f64 = 0.5;
 const REQUIRED_ACCURACY: f64 = 0.95;
-
-/// Images (row-major, one channel, `PIXELS` each) and their labels.
-struct Dataset {
-    images: Vec<f32>,
-    labels: Vec<usize>,
-}
-
-/// `n` images: background noise N(0, 0.25^2), plus 1.0 on a 3x3 blob lying entirely inside a
-/// random quadrant (the label: 0 top-left, 1 top-right, 2 bottom-left, 3 bottom-right).
-fn dataset(n: usize, rng: &mut Rng) -> Dataset {
-    let mut images = vec![0.0f32; n * PIXELS];
-    let mut labels = Vec::with_capacity(n);
-    for i in 0..n {
-        let image = &mut images[i * PIXELS..(i + 1) * PIXELS];
-        for p in image.iter_mut() {
-            *p = (NOISE * rng.normal()) as f32;
-        }
-        let quadrant = (rng.uniform(0.0, 4.0) as usize).min(3);
-        let half = SIDE / 2;
-        let top =
-            (quadrant / 2) * half + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
-        let left =
-            (quadrant % 2) * half + (rng.uniform(0.0, (half - 2) as f64) as usize).min(half - 3);
-        for r in top..top + 3 {
-            for c in left..left + 3 {
-                image[r * SIDE + c] += 1.0;
-            }
-        }
-        labels.push(quadrant);
-    }
-    Dataset { images, labels }
-}
 
 /// The read-out: `conv_runtime::head::Linear`, stepped by the same `Adam`.
 type Readout = Linear<f32, FEATURES, CLASSES>;

@@ -13,6 +13,7 @@ mod spec_tests;
 mod case_list;
 #[macro_use]
 pub mod conformance;
+pub mod quadrants;
 
 /// `[h, w]` from a spec size written `n` or `[h, w]`.
 macro_rules! dims {
