@@ -131,6 +131,24 @@ impl Spec {
     pub fn fan_in(&self) -> usize {
         self.in_c() * self.kernel[0] * self.kernel[1]
     }
+    /// The sizes every generated block names, under the names the CPU and CUDA code use.
+    pub fn sizes(&self) -> [(&'static str, usize); 13] {
+        [
+            ("BATCH", self.batch),
+            ("IH", self.in_h()),
+            ("IW", self.in_w()),
+            ("IC", self.in_c()),
+            ("OH", self.out_h()),
+            ("OW", self.out_w()),
+            ("OC", self.out_channels),
+            ("KH", self.kernel[0]),
+            ("KW", self.kernel[1]),
+            ("SH", self.stride[0]),
+            ("SW", self.stride[1]),
+            ("PH", self.padding[0]),
+            ("PW", self.padding[1]),
+        ]
+    }
 }
 
 pub fn output_size(input: usize, padding: usize, kernel: usize, stride: usize) -> usize {

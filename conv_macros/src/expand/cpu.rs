@@ -81,23 +81,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
 /// The spec's numbers as constants of the generated block.
 fn constants(spec: &Spec, blk: &Blocking) -> TokenStream {
     let window = spec.kernel[0] * spec.kernel[1] * spec.in_c();
-    let pairs = [
-        ("IH", spec.in_h()),
-        ("IW", spec.in_w()),
-        ("IC", spec.in_c()),
-        ("OH", spec.out_h()),
-        ("OW", spec.out_w()),
-        ("OC", spec.out_channels),
-        ("KH", spec.kernel[0]),
-        ("KW", spec.kernel[1]),
-        ("SH", spec.stride[0]),
-        ("SW", spec.stride[1]),
-        ("PH", spec.padding[0]),
-        ("PW", spec.padding[1]),
+    let derived = [
         ("XH", spec.padded_h()),
         ("XW", spec.padded_w()),
         ("NPIX", spec.out_h() * spec.out_w()),
-        ("BATCH", spec.batch),
         ("L", blk.lanes),
         ("P", blk.p),
         ("OCP", blk.padded()),
@@ -105,6 +92,7 @@ fn constants(spec: &Spec, blk: &Blocking) -> TokenStream {
         ("BIAS_OFFSET", window * blk.padded()),
         ("PACKED_LEN", window * blk.padded() + blk.padded()),
     ];
+    let pairs: Vec<_> = spec.sizes().into_iter().chain(derived).collect();
     usize_consts(&pairs)
 }
 

@@ -344,23 +344,8 @@ impl Plan {
             spec.ident,
             spec.activation.name(),
         );
-        let sizes = [
-            ("BATCH", spec.batch),
-            ("IH", spec.in_h()),
-            ("IW", spec.in_w()),
-            ("IC", spec.in_c()),
-            ("OH", spec.out_h()),
-            ("OW", spec.out_w()),
-            ("OC", spec.out_channels),
-            ("KH", spec.kernel[0]),
-            ("KW", spec.kernel[1]),
-            ("SH", spec.stride[0]),
-            ("SW", spec.stride[1]),
-            ("PH", spec.padding[0]),
-            ("PW", spec.padding[1]),
-        ];
         // Only the direct kernels read some of the sizes (IH, IW, SH, SW).
-        for (name, value) in sizes {
+        for (name, value) in spec.sizes() {
             out.push_str(&format!(
                 "[[maybe_unused]] constexpr int {name} = {value};\n"
             ));
@@ -409,14 +394,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     let half = spec.dtype.is_half();
     let direct = plan.direct;
     let batch_norm = matches!(spec.norm, Norm::BatchNorm { .. });
-    let consts = [
-        ("BATCH", spec.batch),
-        ("IH", spec.in_h()),
-        ("IW", spec.in_w()),
-        ("IC", spec.in_c()),
-        ("OH", spec.out_h()),
-        ("OW", spec.out_w()),
-        ("OC", spec.out_channels),
+    let derived = [
         ("NPIX", spec.out_h() * spec.out_w()),
         ("WINDOW", spec.fan_in()),
         ("SCRATCH", plan.scratch(spec)),
@@ -427,6 +405,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 .map_or(0, |w| w.count * spec.out_channels * spec.fan_in()),
         ),
     ];
+    let consts: Vec<_> = spec.sizes().into_iter().chain(derived).collect();
     let consts = usize_consts(&consts);
     let geometry = if direct {
         quote!(::core::option::Option::None)
