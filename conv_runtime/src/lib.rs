@@ -40,6 +40,8 @@ mod rng;
 pub mod safetensors;
 pub mod simd;
 mod tensor;
+#[doc(hidden)]
+pub mod winograd;
 
 pub use conv_macros::conv2d;
 pub use cpu::{Cpu, Mode};
@@ -114,7 +116,8 @@ pub mod __private {
     pub use crate::init::kaiming_uniform;
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
-    pub use crate::simd::{self, avx2_fma, Simd};
+    pub use crate::simd::{self, avx2_fma, avx512vl, Simd};
+    pub use crate::winograd;
     pub use crate::{
         bf16, f16, Cpu, Element, Error, Mode, ParamTensor, Parameters, Real, Result, Rng, Tensor,
         Vector,

@@ -36,11 +36,26 @@ pub trait Simd: Copy {
     unsafe fn add(self, o: Self) -> Self;
     /// # Safety
     /// As [`Simd::zero`].
+    unsafe fn sub(self, o: Self) -> Self;
+    /// # Safety
+    /// As [`Simd::zero`].
     unsafe fn mul(self, o: Self) -> Self;
     /// Lane-wise maximum.
     /// # Safety
     /// As [`Simd::zero`].
     unsafe fn max(self, o: Self) -> Self;
+
+    /// The first `n` lanes of `a`, the rest of `b`.
+    /// # Safety
+    /// As [`Simd::zero`]; `n <= LANES`.
+    #[inline(always)]
+    unsafe fn blend_first(a: Self, b: Self, n: usize) -> Self {
+        let (mut ta, mut tb) = ([Self::Elem::zero(); 16], [Self::Elem::zero(); 16]);
+        a.store(ta.as_mut_ptr());
+        b.store(tb.as_mut_ptr());
+        ta[n..Self::LANES].copy_from_slice(&tb[n..Self::LANES]);
+        Self::load(ta.as_ptr())
+    }
 
     /// Loads the first `n` lanes, the rest zero.
     /// # Safety
@@ -75,10 +90,35 @@ pub fn avx2_fma() -> bool {
     })
 }
 
+/// Whether the AVX2 kernels run in their AVX-512VL instantiation: the same 256-bit operations
+/// with 32 vector registers instead of 16, so that register tiles and their operands never
+/// spill. Where the CPU has AVX-512F and VL, unless `CONV2D_SIMD=avx2` (or `portable`) asks
+/// otherwise. Decided once per process.
+#[inline]
+pub fn avx512vl() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let avx2_only = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "avx2");
+        avx2_fma() && !avx2_only && detected_avx512vl()
+    })
+}
+
 fn detected() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    {
+        false
+    }
+}
+
+fn detected_avx512vl() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -124,6 +164,10 @@ impl<R: Real, const L: usize> Simd for Lanes<R, L> {
         Self(std::array::from_fn(|i| self.0[i] + o.0[i]))
     }
     #[inline(always)]
+    unsafe fn sub(self, o: Self) -> Self {
+        Self(std::array::from_fn(|i| self.0[i] - o.0[i]))
+    }
+    #[inline(always)]
     unsafe fn mul(self, o: Self) -> Self {
         Self(std::array::from_fn(|i| self.0[i] * o.0[i]))
     }
@@ -157,8 +201,8 @@ mod x86 {
 
     macro_rules! avx2 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
-         $store:ident, $fma:ident, $add:ident, $mul:ident, $max:ident,
-     $maskload:ident, $maskstore:ident, $masks:ident) => {
+         $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
+     $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $masks:ident) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -187,6 +231,10 @@ mod x86 {
                     Self($add(self.0, o.0))
                 }
                 #[inline(always)]
+                unsafe fn sub(self, o: Self) -> Self {
+                    Self($sub(self.0, o.0))
+                }
+                #[inline(always)]
                 unsafe fn mul(self, o: Self) -> Self {
                     Self($mul(self.0, o.0))
                 }
@@ -200,6 +248,13 @@ mod x86 {
                     let mask =
                         _mm256_loadu_si256($masks.0.as_ptr().add($lanes - n) as *const __m256i);
                     Self($maskload(p, mask))
+                }
+                // A blend, not masked moves: masked stores are microcoded on AMD CPUs.
+                #[inline(always)]
+                unsafe fn blend_first(a: Self, b: Self, n: usize) -> Self {
+                    let mask =
+                        _mm256_loadu_si256($masks.0.as_ptr().add($lanes - n) as *const __m256i);
+                    Self($blendv(b.0, a.0, $cast(mask)))
                 }
                 #[inline(always)]
                 unsafe fn store_partial(self, p: *mut $elem, n: usize) {
@@ -230,10 +285,13 @@ mod x86 {
         _mm256_storeu_ps,
         _mm256_fmadd_ps,
         _mm256_add_ps,
+        _mm256_sub_ps,
         _mm256_mul_ps,
         _mm256_max_ps,
         _mm256_maskload_ps,
         _mm256_maskstore_ps,
+        _mm256_blendv_ps,
+        _mm256_castsi256_ps,
         MASKS_32
     );
     avx2!(
@@ -247,10 +305,13 @@ mod x86 {
         _mm256_storeu_pd,
         _mm256_fmadd_pd,
         _mm256_add_pd,
+        _mm256_sub_pd,
         _mm256_mul_pd,
         _mm256_max_pd,
         _mm256_maskload_pd,
         _mm256_maskstore_pd,
+        _mm256_blendv_pd,
+        _mm256_castsi256_pd,
         MASKS_64
     );
 }

@@ -93,6 +93,13 @@ macro_rules! for_each_spec {
         $m!($($pre)* oc1_ic1, input: [5, 5, 1], out_channels: 1, kernel: 2, stride: 1, padding: 0,
             activation: Sigmoid, batch: 2, dtype: f64);
 
+        // Stride-1 3x3 f32 layers the Winograd kernels run: ragged tiles (odd output sizes),
+        // channel blocks of one, two and three vectors, every norm in the suites that add one.
+        $m!($($pre)* wino_odd, input: [9, 9, 16], out_channels: 16, kernel: 3, stride: 1,
+            padding: 0, activation: Tanh, batch: 3, dtype: f32);
+        $m!($($pre)* wino_nonsquare, input: [6, 11, 24], out_channels: 40, kernel: 3, stride: 1,
+            padding: [1, 0], activation: Gelu, batch: 2, dtype: f32);
+
         // Kernels and paddings at the edges.
         $m!($($pre)* ic1_k8_output_1x1, input: [8, 8, 1], out_channels: 12, kernel: 8, stride: 1,
             padding: 0, activation: Tanh, batch: 3, dtype: f64);

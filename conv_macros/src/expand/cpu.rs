@@ -17,7 +17,7 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{acc, backward, elem, lit, norm, onednn, rt, usize_consts};
+use super::{acc, backward, elem, lit, norm, onednn, rt, usize_consts, winograd};
 use crate::spec::{Activation, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
@@ -54,9 +54,20 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let a = acc(spec.dtype);
     let blk = Blocking::new(spec.dtype, spec.out_channels);
     let consts = constants(spec, &blk);
-    let forward_kernel = forward_kernel(spec, &blk);
-    let stage = stage_fn(spec);
-    let backward = backward::expand(spec);
+    // Stride-1 3x3 layers with enough channels run on Winograd kernels, the rest on direct ones.
+    let (forward_kernel, stage, backward) = if winograd::applies(spec) {
+        (
+            winograd::forward(spec),
+            TokenStream::new(),
+            winograd::backward(spec),
+        )
+    } else {
+        (
+            forward_kernel(spec, &blk),
+            stage_fn(spec),
+            backward::expand(spec),
+        )
+    };
     let norm = norm::expand(spec);
     let ops = operations(spec);
     let onednn = onednn::expand(spec);
@@ -351,9 +362,7 @@ fn operations(spec: &Spec) -> TokenStream {
             quote! {
                 let out = state.output.as_mut_slice();
                 conv::<BATCH, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &mut |ya, q0, n| {
-                    let dst = &mut out[q0 * OC..(q0 + n) * OC];
-                    dst.copy_from_slice(ya);
-                    #apply(dst);
+                    #rt::activation::apply_to::<#act, _>(ya, &mut out[q0 * OC..(q0 + n) * OC]);
                 });
             },
         ),

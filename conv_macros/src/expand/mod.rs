@@ -7,6 +7,7 @@ mod kernel;
 mod norm;
 mod onednn;
 mod types;
+mod winograd;
 
 use proc_macro2::{Literal, TokenStream};
 use quote::{format_ident, quote};

@@ -1,0 +1,624 @@
+//! Generated Winograd F(2x2, 3x3) CPU code for stride-1 3x3 f32 layers with enough channels:
+//! 16 multiplies per 2x2 output tile and channel pair where the direct convolution does 36.
+//!
+//! The batch's output is cut into 2x2 tiles, taken a chunk of whole tile rows at a time (so
+//! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
+//! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::input`), 16 products
+//!   `M[e] = V[e] . U[e]` with the register-blocked tiles of [`super::kernel`], then bias,
+//!   ReLU and the output tiles (`winograd::output`). `U[e][block][ic][lanes]` (`G g G^T`) is
+//!   packed once per parameter change like the direct kernel's weights;
+//! - backward: output-gradient tiles -> `N[e][tile][oc]`; the weight gradient accumulates
+//!   `dU[e] += V[e]^T . N[e]` over the batch and is transformed back once; the input gradient is
+//!   `dV[e] = N[e] . U[e]^T` (from a second packed copy, `[e][block][oc][lanes]`) added into the
+//!   overlapping input tiles (`winograd::input_gradient`).
+//!
+//! The input is staged in a zero-bordered copy as large as the whole tiles read, so no tile
+//! has a border branch; output tiles past the last row or column are not stored, and their
+//! gradients are zero.
+
+use proc_macro2::TokenStream;
+use quote::{format_ident, quote};
+
+use super::cpu::layout_id;
+use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::{lit, rt, usize_consts, Names};
+use crate::spec::{Dtype, Spec};
+
+/// Tiles per chunk at most, and the size aimed at. Small chunks keep the chunk's transforms
+/// (`16 * tiles * channels` each) in cache next to the transformed weights; measured on the
+/// benchmark's shapes, 12 tiles beat 24 and 48 by 10-20% (Atari layer 3), and a chunk that
+/// fills whole register tiles beats a smaller one that does not (ResNet: 84 over 28).
+const MAX_TILES: usize = 96;
+const TARGET_TILES: usize = 12;
+
+/// Whether the spec runs on the Winograd kernels: f32, 3x3, stride 1, channel counts in whole
+/// vectors of at least two, and tiles that do not waste the saving on a ragged border.
+pub fn applies(spec: &Spec) -> bool {
+    let lanes = spec.dtype.lanes();
+    let channels = |c: usize| c.is_multiple_of(lanes) && c >= 2 * lanes;
+    let (oh, ow) = (spec.out_h(), spec.out_w());
+    // Multiplies saved (2.25x on whole tiles) less the outputs the last tiles compute for
+    // nothing: the direct kernel stays where the net gain is under 1.5x.
+    let covered = 4 * oh.div_ceil(2) * ow.div_ceil(2);
+    let gain = 2.25 * (oh * ow) as f64 / covered as f64;
+    spec.dtype == Dtype::F32
+        && spec.kernel == [3, 3]
+        && spec.stride == [1, 1]
+        && channels(spec.in_c())
+        && channels(spec.out_channels)
+        && gain >= 1.5
+}
+
+/// Tile rows per chunk: the fewest rows computed for nothing by the `P`-row register tiles,
+/// then the chunk nearest `TARGET_TILES`.
+fn chunk_rows(spec: &Spec) -> usize {
+    let (th, tw) = (spec.out_h().div_ceil(2), spec.out_w().div_ceil(2));
+    let p = Blocking::new(spec.dtype, spec.out_channels).p;
+    let max = (MAX_TILES / tw).clamp(1, spec.batch * th);
+    (1..=max)
+        .min_by_key(|&rows| {
+            let tiles = rows * tw;
+            // Waste in parts per thousand, then the distance to the target.
+            let waste = (tiles.next_multiple_of(p) - tiles) * 1000 / tiles;
+            (waste, tiles.abs_diff(TARGET_TILES))
+        })
+        .unwrap_or(1)
+}
+
+/// Tile geometry as constants: `WTH x WTW` tiles per image, the staged `WH x WW` image, chunks
+/// of `WROWS` tile rows whose transforms have `WCT` rows (room for the last register tile's
+/// rows past the chunk: every row count the products run in is a divisor of 12).
+fn constants(spec: &Spec) -> TokenStream {
+    let (th, tw) = (spec.out_h().div_ceil(2), spec.out_w().div_ceil(2));
+    let rows = chunk_rows(spec);
+    usize_consts(&[
+        ("WTH", th),
+        ("WTW", tw),
+        ("WH", 2 * th + 2),
+        ("WW", 2 * tw + 2),
+        ("WROWS", rows),
+        ("WCT", (rows * tw).next_multiple_of(12)),
+        ("ELEMS", 16),
+        ("U_LEN", 16 * spec.in_c() * spec.out_channels),
+    ])
+}
+
+/// The forward convolution (`conv`, the same signature as the direct kernel's), the staging
+/// and the packing.
+pub fn forward(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let layer = &spec.ident;
+    let (oc_blk, ic_blk) = (
+        Blocking::new(spec.dtype, spec.out_channels),
+        Blocking::new(spec.dtype, spec.in_c()),
+    );
+    let consts = constants(spec);
+    let layout = layout_id(spec, 3);
+    let gemm = product("wino_gemm", &oc_blk, quote!(IC), quote!(OC));
+    let tiles = gemm_tiles(spec, &[&oc_blk, &ic_blk]);
+    let helpers = helpers();
+    let oc_block = lit(oc_blk.v * oc_blk.lanes);
+    let kernel = dispatched(
+        spec.dtype,
+        "wino_tiles",
+        quote!(const __B: usize, const RELU: bool),
+        quote!(__B, RELU),
+        quote! {
+            xs: &[__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: &mut [__A],
+            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+        },
+        quote!(xs, u, v, m, y, epilogue),
+        quote! {
+            ::core::debug_assert!(xs.len() >= __B * WH * WW * IC && u.len() == U_LEN + OC);
+            ::core::debug_assert!(v.len() >= ELEMS * WCT * IC && m.len() >= ELEMS * WCT * OC);
+            ::core::debug_assert!(y.len() == __B * NPIX * OC);
+            let rows_total = __B * WTH;
+            let (xs, u, vp, mp) = (xs.as_ptr(), u.as_ptr(), v.as_mut_ptr(), m.as_mut_ptr());
+            let bias = u.add(U_LEN);
+            let mut r0 = 0;
+            while r0 < rows_total {
+                let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
+                let count = rows * WTW;
+                wino_input::<S>(xs, vp, r0, count);
+                wino_gemm::<S>(vp, u, mp, count);
+                let yp = y.as_mut_ptr();
+                for t in 0..count {
+                    let (g, tw) = (r0 + t / WTW, t % WTW);
+                    let (n, th) = (g / WTH, g % WTH);
+                    let (oh, ow) = (2 * th, 2 * tw);
+                    let base = yp.add(((n * OH + oh) * OW + ow) * OC);
+                    let (down, right) = (oh + 1 < OH, ow + 1 < OW);
+                    for k in (0..OC).step_by(L) {
+                        let b = S::load(bias.add(k));
+                        let out = #rt::winograd::output::<S>(mp.add(t * OC + k), WCT * OC);
+                        for (r, row) in out.into_iter().enumerate() {
+                            if r == 1 && !down { break; }
+                            for (c, value) in row.into_iter().enumerate() {
+                                if c == 1 && !right { break; }
+                                let mut value = value.add(b);
+                                if RELU { value = value.max(S::zero()); }
+                                value.store(base.add((r * OW + c) * OC + k));
+                            }
+                        }
+                    }
+                }
+                // The chunk's whole tile rows are one contiguous range of output pixels.
+                let last = r0 + rows - 1;
+                let first = r0 / WTH * NPIX + 2 * (r0 % WTH) * OW;
+                let end_row = if 2 * (last % WTH) + 2 < OH { 2 * (last % WTH) + 2 } else { OH };
+                let end = last / WTH * NPIX + end_row * OW;
+                epilogue(&mut y[first * OC..end * OC], first, end - first);
+                r0 += rows;
+            }
+        },
+    );
+    quote! {
+        #consts
+
+        /// Copies `B` images into `xs` (`B * WH * WW * IC`) inside a zero border that covers
+        /// every tile.
+        fn wino_stage<const __B: usize>(x: &[__T], xs: &mut [__A]) {
+            xs[..__B * WH * WW * IC].fill(0.0);
+            for n in 0..__B {
+                for h in 0..IH {
+                    let src = &x[(n * IH + h) * IW * IC..][..IW * IC];
+                    let dst = &mut xs[((n * WH + h + PH) * WW + PW) * IC..][..IW * IC];
+                    <__T as #rt::Element>::to_acc_slice(src, dst);
+                }
+            }
+        }
+
+        /// Convolution + bias of `B` images into `ya` (`None`: scratch), with
+        /// `epilogue(results, first pixel, pixels)` run on each chunk while it is in cache.
+        /// `RELU` applies ReLU in registers.
+        #[inline(always)]
+        fn conv<const __B: usize, const RELU: bool>(
+            cpu: &mut #rt::Cpu,
+            layer: &#layer,
+            x: &[__T],
+            ya: ::core::option::Option<&mut [__A]>,
+            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+        ) {
+            let key = #rt::PackKey {
+                stamps: [layer.weights.stamp(), layer.biases.stamp()],
+                layout: #layout,
+            };
+            let y_scratch = if ya.is_some() { 0 } else { __B * NPIX * OC };
+            let ws = cpu.__workspace::<__A>(
+                key,
+                U_LEN + OC,
+                |out| pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out),
+                __B * WH * WW * IC + ELEMS * WCT * (IC + OC) + y_scratch,
+            );
+            let (xs, rest) = ws.scratch.split_at_mut(__B * WH * WW * IC);
+            let (v, rest) = rest.split_at_mut(ELEMS * WCT * IC);
+            let (m, rest) = rest.split_at_mut(ELEMS * WCT * OC);
+            wino_stage::<__B>(x, xs);
+            let y: &mut [__A] = match ya {
+                ::core::option::Option::Some(y) => y,
+                ::core::option::Option::None => &mut rest[..__B * NPIX * OC],
+            };
+            // SAFETY: every slice has the length the kernel is built on (checked in debug).
+            unsafe { wino_tiles::<__B, RELU>(xs, ws.packed, v, m, y, epilogue) }
+        }
+
+        #kernel
+
+        /// The transformed weights `G g G^T` of every channel pair, `L` pairs at a time along
+        /// output channels if `k_inner`, else along input channels: `put(e, k, c, values)`
+        /// gets element `e` of the pairs `(k, c)` on. Rows of `L` are what the packed copies
+        /// hold contiguously; written one value at a time, the 16 planes 16 KiB apart ran 8x
+        /// slower.
+        fn wino_weights(w: &[__T], k_inner: bool, mut put: impl FnMut(usize, usize, usize, &[__A; L])) {
+            use #rt::Element as _;
+            for outer in 0..if k_inner { IC } else { OC } {
+                for inner in (0..if k_inner { OC } else { IC }).step_by(L) {
+                    let mut rows = [[0.0; L]; ELEMS];
+                    for i in 0..L {
+                        let (k, c) = if k_inner { (inner + i, outer) } else { (outer, inner + i) };
+                        let mut g = [[0.0; 3]; 3];
+                        for r in 0..9 {
+                            g[r / 3][r % 3] = w[k * WINDOW + r * IC + c].to_acc();
+                        }
+                        let u = #rt::winograd::weight(g);
+                        for e in 0..ELEMS {
+                            rows[e][i] = u[e / 4][e % 4];
+                        }
+                    }
+                    let (k, c) = if k_inner { (inner, outer) } else { (outer, inner) };
+                    for e in 0..ELEMS {
+                        put(e, k, c, &rows[e]);
+                    }
+                }
+            }
+        }
+
+        /// OHWI weights -> `U[e][block of OC][ic][lanes]`, then the biases. Once per parameter
+        /// change.
+        fn pack_wino(w: &[__T], b: &[__T], out: &mut [__A]) {
+            use #rt::Element as _;
+            wino_weights(w, true, |e, k, c, values| {
+                let first = k / #oc_block * #oc_block;
+                let width = if OC - first < #oc_block { OC - first } else { #oc_block };
+                out[e * IC * OC + IC * first + c * width + (k - first)..][..L].copy_from_slice(values);
+            });
+            for k in 0..OC {
+                out[U_LEN + k] = b[k].to_acc();
+            }
+        }
+
+        #helpers
+        #gemm
+        #(#tiles)*
+    }
+}
+
+/// The tile loops every direction shares: input transform of a chunk.
+fn helpers() -> TokenStream {
+    let rt = rt();
+    quote! {
+        /// `V[e][t][ic]` of the chunk's `count` tiles from tile row `r0` on.
+        #[inline(always)]
+        unsafe fn wino_input<S: #rt::Simd<Elem = __A>>(
+            xs: *const __A, v: *mut __A, r0: usize, count: usize,
+        ) {
+            for t in 0..count {
+                let (g, tw) = (r0 + t / WTW, t % WTW);
+                let (n, th) = (g / WTH, g % WTH);
+                let src = xs.add(((n * WH + 2 * th) * WW + 2 * tw) * IC);
+                for c in (0..IC).step_by(L) {
+                    #rt::winograd::input::<S>(src.add(c), WW * IC, IC, v.add(t * IC + c), WCT * IC);
+                }
+            }
+        }
+    }
+}
+
+/// `name::<S>(a, w, out, count)`: for each element, `out[e] = a[e] . w[e]` over the chunk's
+/// first `count` rows rounded up to whole register tiles, `a` rows `K` wide, `w[e]` packed
+/// `[block][K][lanes]` over `N` columns (`blk`).
+fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenStream {
+    let rt = rt();
+    let name = format_ident!("{}", name);
+    let p = lit(blk.p);
+    let calls = blk.calls(
+        &format!("wgemm{}", blk.p),
+        true,
+        |tile, first| quote!(#tile::<S, #k, #n>(&rows, we.add(#k * #first), out.add(#first));),
+    );
+    quote! {
+        #[inline(always)]
+        unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+            a: *const __A, w: *const __A, o: *mut __A, count: usize,
+        ) {
+            for e in 0..ELEMS {
+                let (ae, we, oe) = (a.add(e * WCT * #k), w.add(e * #k * #n), o.add(e * WCT * #n));
+                for tile in 0..count.div_ceil(#p) {
+                    let rows: [*const __A; #p] =
+                        ::core::array::from_fn(|i| ae.add((tile * #p + i) * #k));
+                    let out = oe.add(tile * #p * #n);
+                    #calls
+                }
+            }
+        }
+    }
+}
+
+/// `wgemm{p}_{nv}_{lanes}::<S, K, N>(rows, w, out)`: `p` rows times `nv` vectors of a packed
+/// block, reduced over `K`, stored into rows `N` apart. Every row count and block shape the
+/// products use, once.
+fn gemm_tiles(spec: &Spec, blockings: &[&Blocking]) -> Vec<TokenStream> {
+    let rt = rt();
+    let mut kinds: Vec<(usize, usize, usize)> = Vec::new();
+    for blk in blockings {
+        for (nv, last) in blk.kinds() {
+            if !kinds.contains(&(blk.p, nv, last)) {
+                kinds.push((blk.p, nv, last));
+            }
+        }
+    }
+    let l = spec.dtype.lanes();
+    kinds
+        .into_iter()
+        .map(|(p, nv, last)| {
+            let name = format_ident!("wgemm{}_{}_{}", p, nv, last);
+            let width = lit(nv * l);
+            let init = init_accumulators(p, nv, |_, _| quote!(S::zero()));
+            let step = fma_step(
+                p,
+                nv,
+                |i| {
+                    let i = lit(i);
+                    quote!(*rows[#i].add(j))
+                },
+                |v| {
+                    let off = lit(v * l);
+                    quote!(w.add(j * #width + #off))
+                },
+            );
+            let stores = write_accumulators(p, nv, l, last, |acc, i, v, _| {
+                let (i, off) = (lit(i), lit(v * l));
+                quote!(#acc.store(out.add(#i * N + #off));)
+            });
+            let pl = lit(p);
+            quote! {
+                #[inline(always)]
+                unsafe fn #name<S: #rt::Simd<Elem = __A>, const K: usize, const N: usize>(
+                    rows: &[*const __A; #pl], w: *const __A, out: *mut __A,
+                ) {
+                    #init
+                    for j in 0..K {
+                        #step
+                    }
+                    #stores
+                }
+            }
+        })
+        .collect()
+}
+
+/// `wgrad{p}_{nv}_{lanes}`: `dU[e]` rows `c..c + p` (vectors of output channels) plus
+/// `sum over the chunk's tiles V[e][t][c + i] * N[e][t][..]`.
+fn weight_tiles(spec: &Spec, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) {
+    let rt = rt();
+    let l = blk.lanes;
+    let ic = spec.in_c();
+    let (full, rem) = (ic / blk.p, ic % blk.p);
+    let mut ps = vec![blk.p];
+    if rem > 0 {
+        ps.push(rem);
+    }
+    let mut tiles = Vec::new();
+    for &p in &ps {
+        for (nv, last) in blk.kinds() {
+            let name = format_ident!("wgrad{}_{}_{}", p, nv, last);
+            let init = init_accumulators(p, nv, |i, v| {
+                let off = lit(i * spec.out_channels + v * l);
+                quote!(S::load(dst.add(#off)))
+            });
+            let step = fma_step(
+                p,
+                nv,
+                |i| {
+                    let i = lit(i);
+                    quote!(*vt.add(#i))
+                },
+                |v| {
+                    let off = lit(v * l);
+                    quote!(nt.add(#off))
+                },
+            );
+            let stores = write_accumulators(p, nv, l, last, |acc, i, v, _| {
+                let off = lit(i * spec.out_channels + v * l);
+                quote!(#acc.store(dst.add(#off));)
+            });
+            tiles.push(quote! {
+                #[inline(always)]
+                unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+                    v: *const __A, n: *const __A, count: usize, dst: *mut __A,
+                ) {
+                    #init
+                    for t in 0..count {
+                        let (vt, nt) = (v.add(t * IC), n.add(t * OC));
+                        #step
+                    }
+                    #stores
+                }
+            });
+        }
+    }
+    // Output-channel blocks outside, input-channel rows inside: one block of `N[e]` stays in
+    // L1 across the rows (the whole of `V[e]`, `N[e]` and `dU[e]` does not).
+    let pl = lit(blk.p);
+    let full = lit(full);
+    let blocks = blk.blocks().into_iter().map(|b| {
+        let first = lit(b.first * l);
+        let tile = format_ident!("wgrad{}_{}_{}", blk.p, b.nv, b.last_lanes);
+        let rem_call = (rem > 0).then(|| {
+            let tile = format_ident!("wgrad{}_{}_{}", rem, b.nv, b.last_lanes);
+            let c0 = lit(ic - rem);
+            quote!(#tile::<S>(ve.add(#c0), ne.add(#first), count, de.add(#c0 * OC + #first));)
+        });
+        quote! {
+            for ct in 0..#full {
+                let c0 = ct * #pl;
+                #tile::<S>(ve.add(c0), ne.add(#first), count, de.add(c0 * OC + #first));
+            }
+            #rem_call
+        }
+    });
+    let driver = quote! {
+        /// `dU[e] += V[e]^T . N[e]` over the chunk's `count` tiles.
+        #[inline(always)]
+        unsafe fn wino_weight_product<S: #rt::Simd<Elem = __A>>(
+            v: *const __A, n: *const __A, du: *mut __A, count: usize,
+        ) {
+            for e in 0..ELEMS {
+                let (ve, ne, de) = (v.add(e * WCT * IC), n.add(e * WCT * OC), du.add(e * IC * OC));
+                #(#blocks)*
+            }
+        }
+    };
+    (tiles, driver)
+}
+
+/// `backward_pass` with the Winograd kernels (the same signature as the direct one's).
+pub fn backward(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        ..
+    } = Names::of(spec);
+    let (oc_blk, ic_blk) = (
+        Blocking::new(spec.dtype, spec.out_channels),
+        Blocking::new(spec.dtype, spec.in_c()),
+    );
+    let data_product = product("wino_data_product", &ic_blk, quote!(OC), quote!(IC));
+    let (wtiles, weight_product) = weight_tiles(spec, &oc_blk);
+    let layout = layout_id(spec, 4);
+    let ic_block = lit(ic_blk.v * ic_blk.lanes);
+    let kernel = dispatched(
+        spec.dtype,
+        "wino_backward_tiles",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote! {
+            xs: &[__A], dz: &[__A], ut: &[__A], v: &mut [__A], n: &mut [__A], du: &mut [__A],
+            dx: &mut [__A],
+        },
+        quote!(xs, dz, ut, v, n, du, dx),
+        quote! {
+            let (weights, data) = (!du.is_empty(), !dx.is_empty());
+            ::core::debug_assert!(!weights || (xs.len() >= BATCH * WH * WW * IC && du.len() == U_LEN));
+            ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() == BATCH * WH * WW * IC));
+            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC);
+            ::core::debug_assert!(v.len() >= ELEMS * WCT * IC && n.len() >= ELEMS * WCT * OC);
+            let rows_total = BATCH * WTH;
+            let (xs, dz, ut) = (xs.as_ptr(), dz.as_ptr(), ut.as_ptr());
+            let (vp, np, dup, dxp) = (v.as_mut_ptr(), n.as_mut_ptr(), du.as_mut_ptr(), dx.as_mut_ptr());
+            let mut r0 = 0;
+            while r0 < rows_total {
+                let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
+                let count = rows * WTW;
+                if weights {
+                    wino_input::<S>(xs, vp, r0, count);
+                }
+                // Output-gradient tiles; outputs past the last row or column contribute zero.
+                for t in 0..count {
+                    let (g, tw) = (r0 + t / WTW, t % WTW);
+                    let (img, th) = (g / WTH, g % WTH);
+                    let (oh, ow) = (2 * th, 2 * tw);
+                    let base = dz.add(((img * OH + oh) * OW + ow) * OC);
+                    let (down, right) = (oh + 1 < OH, ow + 1 < OW);
+                    for k in (0..OC).step_by(L) {
+                        let zero = S::zero();
+                        let dy = [
+                            [S::load(base.add(k)), if right { S::load(base.add(OC + k)) } else { zero }],
+                            [
+                                if down { S::load(base.add(OW * OC + k)) } else { zero },
+                                if down && right { S::load(base.add((OW + 1) * OC + k)) } else { zero },
+                            ],
+                        ];
+                        #rt::winograd::gradient::<S>(dy, np.add(t * OC + k), WCT * OC);
+                    }
+                }
+                if weights {
+                    wino_weight_product::<S>(vp, np, dup, count);
+                }
+                if data {
+                    // `dV` reuses `V`'s buffer.
+                    wino_data_product::<S>(np, ut, vp, count);
+                    for t in 0..count {
+                        let (g, tw) = (r0 + t / WTW, t % WTW);
+                        let (img, th) = (g / WTH, g % WTH);
+                        let dst = dxp.add(((img * WH + 2 * th) * WW + 2 * tw) * IC);
+                        for c in (0..IC).step_by(L) {
+                            #rt::winograd::input_gradient::<S>(vp.add(t * IC + c), WCT * IC, dst.add(c), WW * IC, IC);
+                        }
+                    }
+                }
+                r0 += rows;
+            }
+        },
+    );
+    quote! {
+        /// OHWI weights -> `U[e][block of IC][oc][lanes]`, the input gradient's order.
+        fn pack_wino_data(w: &[__T], out: &mut [__A]) {
+            wino_weights(w, false, |e, k, c, values| {
+                let first = c / #ic_block * #ic_block;
+                let width = if IC - first < #ic_block { IC - first } else { #ic_block };
+                out[e * IC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
+            });
+        }
+
+        #kernel
+        #data_product
+        #weight_product
+        #(#wtiles)*
+
+        #[allow(clippy::too_many_arguments)]
+        fn backward_pass(
+            cpu: &mut #rt::Cpu,
+            layer: &#layer,
+            state: &#state,
+            x: &[__T],
+            d_output: &[__T],
+            d_input: ::core::option::Option<&mut [__T]>,
+            mut grads: ::core::option::Option<&mut #grads>,
+            mode: #rt::Mode,
+        ) {
+            let (data, weights) = (d_input.is_some(), grads.is_some());
+            let key = if data {
+                #rt::PackKey { stamps: [layer.weights.stamp(), 0], layout: #layout }
+            } else {
+                #rt::PackKey { stamps: [0, 0], layout: 0 }
+            };
+            let staged = BATCH * WH * WW * IC;
+            let x_len = if weights { staged } else { 0 };
+            let du_len = if weights { U_LEN } else { 0 };
+            let dx_len = if data { staged } else { 0 };
+            let lens = BATCH * NPIX * OC + ELEMS * WCT * (IC + OC) + x_len + du_len + dx_len;
+            let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
+                key,
+                if data { U_LEN } else { 0 },
+                |out| {
+                    if data {
+                        pack_wino_data(layer.weights.as_slice(), out)
+                    }
+                },
+                lens,
+            );
+            let (dz, rest) = scratch.split_at_mut(BATCH * NPIX * OC);
+            let (v, rest) = rest.split_at_mut(ELEMS * WCT * IC);
+            let (n, rest) = rest.split_at_mut(ELEMS * WCT * OC);
+            let (xs, rest) = rest.split_at_mut(x_len);
+            let (du, rest) = rest.split_at_mut(du_len);
+            let dx = &mut rest[..dx_len];
+            // Scratch is not cleared by the device: zero what is accumulated into.
+            du.fill(0.0);
+            dx.fill(0.0);
+            d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
+            if weights {
+                wino_stage::<BATCH>(x, xs);
+            }
+            // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
+            unsafe { wino_backward_tiles(xs, dz, packed, v, n, du, dx) };
+
+            if let ::core::option::Option::Some(g) = grads {
+                let db = g.biases.as_mut_slice();
+                for px in dz.chunks_exact(OC) {
+                    for c in 0..OC {
+                        db[c] += px[c];
+                    }
+                }
+                let gw = g.weights.as_mut_slice();
+                for c in 0..IC {
+                    for k in 0..OC {
+                        let mut dt = [[0.0; 4]; 4];
+                        for e in 0..ELEMS {
+                            dt[e / 4][e % 4] = du[e * IC * OC + c * OC + k];
+                        }
+                        let dg = #rt::winograd::weight_gradient(dt);
+                        for kh in 0..3 {
+                            for kw in 0..3 {
+                                gw[k * WINDOW + (kh * 3 + kw) * IC + c] += dg[kh][kw];
+                            }
+                        }
+                    }
+                }
+            }
+
+            if let ::core::option::Option::Some(d_input) = d_input {
+                for img in 0..BATCH {
+                    for h in 0..IH {
+                        let src = &dx[((img * WH + h + PH) * WW + PW) * IC..][..IW * IC];
+                        let dst = &mut d_input[(img * IH + h) * IW * IC..][..IW * IC];
+                        dst.copy_from_slice(src);
+                    }
+                }
+            }
+        }
+    }
+}
