@@ -26,8 +26,11 @@ run() {
 
 # Everything, with the oneDNN backend and the CUDA kernels' compile checks.
 run cargo test --workspace --release --features onednn,cuda
-# The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
+# The numeric suites again with the portable kernels (CPUs without AVX2+FMA), and with the
+# AVX2 kernels limited to 16 registers (CPUs without AVX-512VL; where the CPU has no AVX2 this
+# repeats the portable run).
 CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
+CONV2D_SIMD=avx2 run cargo test --release --test conformance_training --test specs_forward
 # The main example in its short mode: exits non-zero unless the network learned.
 run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
 run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors

@@ -222,6 +222,7 @@ pub fn dispatched(
     let name = format_ident!("{}", name);
     let kernel = format_ident!("{}_kernel", name);
     let avx2_fn = format_ident!("{}_avx2", name);
+    let avx512_fn = format_ident!("{}_avx512vl", name);
     quote! {
         #[inline(always)]
         unsafe fn #kernel<S: #rt::Simd<Elem = __A>, #generics>(#params) {
@@ -234,12 +235,22 @@ pub fn dispatched(
             #kernel::<#avx2, #generic_args>(#args)
         }
 
+        /// The AVX2 kernel with AVX-512VL's 32 registers (no spills).
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+        unsafe fn #avx512_fn<#generics>(#params) {
+            #kernel::<#avx2, #generic_args>(#args)
+        }
+
         /// # Safety
         /// The slices have the lengths the kernel's index arithmetic is built on.
         #[inline(always)]
         unsafe fn #name<#generics>(#params) {
             #[cfg(target_arch = "x86_64")]
             {
+                if #rt::avx512vl() {
+                    return #avx512_fn::<#generic_args>(#args);
+                }
                 if #rt::avx2_fma() {
                     return #avx2_fn::<#generic_args>(#args);
                 }
