@@ -67,11 +67,15 @@ fn data_kernel(spec: &Spec) -> TokenStream {
         let adds = write_accumulators(blk.p, nv, l, last, |acc, i, v, partial| {
             let (i, off) = (lit(i), lit(v * l));
             match partial {
+                // Whole-vector load and store, the lanes past the segment written back as
+                // read (masked stores are microcoded on AMD CPUs); `dx` has `L` elements of
+                // slack past its end for them.
                 Some(n) => {
                     let n = lit(n);
                     quote! {
                         let d = dsts[#i].add(#off);
-                        S::load_partial(d, #n).add(#acc).store_partial(d, #n);
+                        let old = S::load(d);
+                        S::blend_first(old.add(#acc), old, #n).store(d);
                     }
                 }
                 None => quote! {
@@ -104,7 +108,7 @@ fn data_kernel(spec: &Spec) -> TokenStream {
         quote!(dz, w, dx, zero_row),
         quote! {
             ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC && w.len() == DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == BATCH * XH * XW * IC && zero_row.len() >= OC);
+            ::core::debug_assert!(dx.len() == BATCH * XH * XW * IC + L && zero_row.len() >= OC);
             let total = BATCH * NPIX;
             let (dz, w, dx) = (dz.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
             let mut q0 = 0;
@@ -298,7 +302,7 @@ fn backward_pass(spec: &Spec) -> TokenStream {
             } else {
                 (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
             };
-            let dx_len = if data { BATCH * XH * XW * IC } else { 0 };
+            let dx_len = if data { BATCH * XH * XW * IC + L } else { 0 };
             let dw_len = if weights { (WINDOW + 1) * OCP } else { 0 };
             let x_len = if weights && STAGED { BATCH * XH * XW * IC } else { 0 };
             let lens = (BATCH * NPIX * OC + L) + OC + dx_len + dw_len + x_len;
