@@ -45,6 +45,20 @@ pub trait Simd: Copy {
     /// As [`Simd::zero`].
     unsafe fn max(self, o: Self) -> Self;
 
+    /// The sum of the lanes.
+    /// # Safety
+    /// As [`Simd::zero`].
+    #[inline(always)]
+    unsafe fn sum(self) -> Self::Elem {
+        let mut t = [Self::Elem::zero(); 16];
+        self.store(t.as_mut_ptr());
+        let mut total = Self::Elem::zero();
+        for x in &t[..Self::LANES] {
+            total += *x;
+        }
+        total
+    }
+
     /// The first `n` lanes of `a`, the rest of `b`.
     /// # Safety
     /// As [`Simd::zero`]; `n <= LANES`.
@@ -202,7 +216,7 @@ mod x86 {
     macro_rules! avx2 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
          $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
-     $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $masks:ident) => {
+     $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $sum:ident, $masks:ident) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -249,6 +263,10 @@ mod x86 {
                         _mm256_loadu_si256($masks.0.as_ptr().add($lanes - n) as *const __m256i);
                     Self($maskload(p, mask))
                 }
+                #[inline(always)]
+                unsafe fn sum(self) -> $elem {
+                    $sum(self.0)
+                }
                 // A blend, not masked moves: masked stores are microcoded on AMD CPUs.
                 #[inline(always)]
                 unsafe fn blend_first(a: Self, b: Self, n: usize) -> Self {
@@ -264,6 +282,20 @@ mod x86 {
                 }
             }
         };
+    }
+
+    /// Halves added until one lane is left.
+    #[inline(always)]
+    unsafe fn sum_f32(v: __m256) -> f32 {
+        let s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        let s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+        _mm_cvtss_f32(_mm_add_ss(s, _mm_shuffle_ps(s, s, 1)))
+    }
+
+    #[inline(always)]
+    unsafe fn sum_f64(v: __m256d) -> f64 {
+        let s = _mm_add_pd(_mm256_castpd256_pd128(v), _mm256_extractf128_pd(v, 1));
+        _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)))
     }
 
     /// `LANES` all-ones lanes then `LANES` zero lanes: a window of `LANES` starting at
@@ -292,6 +324,7 @@ mod x86 {
         _mm256_maskstore_ps,
         _mm256_blendv_ps,
         _mm256_castsi256_ps,
+        sum_f32,
         MASKS_32
     );
     avx2!(
@@ -312,6 +345,7 @@ mod x86 {
         _mm256_maskstore_pd,
         _mm256_blendv_pd,
         _mm256_castsi256_pd,
+        sum_f64,
         MASKS_64
     );
 }

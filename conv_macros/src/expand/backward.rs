@@ -14,21 +14,35 @@
 //! Both read a zero-bordered input like the forward kernel, so there are no border branches.
 
 use proc_macro2::TokenStream;
-use quote::{format_ident, quote};
+use quote::{format_ident, quote, ToTokens};
 
 use super::cpu::{layout_id, staged};
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{lit, rt, Names};
+use super::{lit, rt, usize_consts, Names};
 use crate::spec::Spec;
 
 /// Pixels per weight-gradient chunk: their input offsets live on the stack and their
 /// gradients (`QC * OC` values) stay in L1 across the position blocks.
 const CHUNK: usize = 64;
 
+/// How the backward pass gets the input gradient: the scratch it needs (`dx`), how it
+/// prepares it, and the calls that fill `d_input`.
+struct DataPath {
+    kernel: TokenStream,
+    dx_len: TokenStream,
+    prepare: TokenStream,
+    run: TokenStream,
+}
+
 pub fn expand(spec: &Spec) -> TokenStream {
-    let data = data_kernel(spec);
+    let data = if gather_applies(spec) {
+        gather_kernel(spec)
+    } else {
+        data_kernel(spec)
+    };
     let weights = weights_kernel(spec);
-    let pass = backward_pass(spec);
+    let pass = backward_pass(spec, &data);
+    let data = data.kernel;
     quote! {
         #data
         #weights
@@ -36,7 +50,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     }
 }
 
-fn data_kernel(spec: &Spec) -> TokenStream {
+fn data_kernel(spec: &Spec) -> DataPath {
     let rt = rt();
     let segment = spec.kernel[1] * spec.in_c();
     let blk = Blocking::new(spec.dtype, segment);
@@ -131,11 +145,26 @@ fn data_kernel(spec: &Spec) -> TokenStream {
             }
         },
     );
-    let (seg, segp, dp) = (lit(segment), lit(blk.padded()), lit(blk.p));
+    let (segp, dp) = (lit(blk.padded()), lit(blk.p));
     let packed_len = lit(spec.kernel[0] * spec.out_channels * blk.padded());
     let layout = layout_id(spec, 2);
-    quote! {
-        const SEG: usize = #seg;
+    let store = if spec.dtype.is_half() {
+        quote!(<__T as #rt::Element>::from_acc_slice(src, dst))
+    } else {
+        quote!(dst.copy_from_slice(src))
+    };
+    let run = quote! {
+        // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
+        unsafe { data_tiles(dz, packed, dx, zero_row) };
+        for n in 0..BATCH {
+            for h in 0..IH {
+                let src = &dx[((n * XH + h + PH) * XW + PW) * IC..][..IW * IC];
+                let dst = &mut d_input[(n * IH + h) * IW * IC..][..IW * IC];
+                #store;
+            }
+        }
+    };
+    let kernel = quote! {
         const SEGP: usize = #segp;
         const DP: usize = #dp;
         const DATA_PACKED_LEN: usize = #packed_len;
@@ -161,6 +190,183 @@ fn data_kernel(spec: &Spec) -> TokenStream {
 
         #kernel
         #(#tiles)*
+    };
+    DataPath {
+        kernel,
+        dx_len: quote!(BATCH * XH * XW * IC + L),
+        prepare: quote!(dx.fill(0.0);),
+        run,
+    }
+}
+
+/// Accumulators of a gather tile at most.
+const GATHER_REGISTERS: usize = 12;
+
+/// Whether the input gradient is gathered (see [`gather_kernel`]): stride 1 and so few input
+/// channels that the scatter kernel's vectors would be mostly empty and its overlapping row
+/// segments stall on store forwarding, with the accumulators of one pixel in the register budget.
+fn gather_applies(spec: &Spec) -> bool {
+    let l = spec.dtype.lanes();
+    spec.stride == [1, 1]
+        && spec.in_c() < l
+        && spec.in_c() * spec.out_channels.div_ceil(l) <= GATHER_REGISTERS
+}
+
+/// The input gradient of a stride-1 layer with few input channels, gathered:
+/// `dx[q][c] = sum over (kh, kw) of W[:, kh, kw, c] . dz[q + PH - kh, q + PW - kw][:]`, each
+/// dot product over output channels in vectors, summed across lanes once at the end. `dz` is
+/// first copied into a zero-bordered, channel-padded scratch (`ZH x ZW x GOCP`), so every read
+/// is a whole vector with no branch; each input pixel is written once, straight into `d_input`.
+/// Tiles of `GP` pixels of the flattened batch, `GP x IC x vectors` accumulators.
+fn gather_kernel(spec: &Spec) -> DataPath {
+    let rt = rt();
+    let l = spec.dtype.lanes();
+    let (ic, kv) = (spec.in_c(), spec.out_channels.div_ceil(l));
+    let gp = (GATHER_REGISTERS / (ic * kv)).max(1);
+    let tph = (spec.kernel[0] - 1).saturating_sub(spec.padding[0]);
+    let tpw = (spec.kernel[1] - 1).saturating_sub(spec.padding[1]);
+    let consts = usize_consts(&[
+        ("TPH", tph),
+        ("TPW", tpw),
+        ("ZH", spec.out_h() + 2 * tph),
+        ("ZW", spec.out_w() + 2 * tpw),
+        ("GOCP", kv * l),
+        ("GP", gp),
+    ]);
+    let acc = |p: usize, c: usize, v: usize| format_ident!("acc_{}_{}_{}", p, c, v);
+    let mut init = TokenStream::new();
+    let mut step = TokenStream::new();
+    let mut out = TokenStream::new();
+    for p in 0..gp {
+        for c in 0..ic {
+            for v in 0..kv {
+                let a = acc(p, c, v);
+                init.extend(quote!(let mut #a = S::zero();));
+            }
+        }
+    }
+    for p in 0..gp {
+        let pl = lit(p);
+        for v in 0..kv {
+            let z = format_ident!("z_{}_{}", p, v);
+            let off = lit(v * l);
+            step.extend(quote!(let #z = S::load(zs[#pl].sub(back).add(#off));));
+        }
+    }
+    for c in 0..ic {
+        for v in 0..kv {
+            let w = format_ident!("w_{}_{}", c, v);
+            let off = lit(c * kv * l + v * l);
+            step.extend(quote!(let #w = S::load(wk.add(#off));));
+            for p in 0..gp {
+                let (a, z) = (acc(p, c, v), format_ident!("z_{}_{}", p, v));
+                step.extend(quote!(#a = S::fma(#z, #w, #a);));
+            }
+        }
+    }
+    for p in 0..gp {
+        let pl = lit(p);
+        for c in 0..ic {
+            let sum = (1..kv).fold(acc(p, c, 0).into_token_stream(), |s, v| {
+                let a = acc(p, c, v);
+                quote!(#s.add(#a))
+            });
+            let cl = lit(c);
+            out.extend(quote! {
+                if #pl < valid {
+                    *dx.add((q0 + #pl) * IC + #cl) = <__T as #rt::Element>::from_acc(#sum.sum());
+                }
+            });
+        }
+    }
+    let kernel_fn = dispatched(
+        spec.dtype,
+        "gather_tiles",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(zp: &[__A], w: &[__A], dx: &mut [__T]),
+        quote!(zp, w, dx),
+        quote! {
+            ::core::debug_assert!(zp.len() == BATCH * ZH * ZW * GOCP && w.len() == DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == BATCH * IH * IW * IC);
+            let total = BATCH * IH * IW;
+            let (zp, w, dx) = (zp.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
+            let mut q0 = 0;
+            while q0 < total {
+                let valid = if total - q0 < GP { total - q0 } else { GP };
+                // Each pixel's `dz` at kernel offset (0, 0); pixels past the end repeat the last.
+                let zs: [*const __A; GP] = ::core::array::from_fn(|p| {
+                    let q = if q0 + p < total { q0 + p } else { total - 1 };
+                    let (n, r) = (q / (IH * IW), q % (IH * IW));
+                    let (h, x) = (r / IW, r % IW);
+                    zp.add(((n * ZH + h + PH + TPH) * ZW + x + PW + TPW) * GOCP)
+                });
+                #init
+                for kh in 0..KH {
+                    for kw in 0..KW {
+                        let back = (kh * ZW + kw) * GOCP;
+                        let wk = w.add((kh * KW + kw) * IC * GOCP);
+                        #step
+                    }
+                }
+                #out
+                q0 += GP;
+            }
+        },
+    );
+    let layout = layout_id(spec, 5);
+    let kernel = quote! {
+        #consts
+        const DATA_PACKED_LEN: usize = KH * KW * IC * GOCP;
+        const DATA_LAYOUT: u64 = #layout;
+
+        /// OHWI weights -> `[kh][kw][ic][oc padded to GOCP]`. Once per parameter change.
+        fn pack_data(w: &[__T], out: &mut [__A]) {
+            use #rt::Element as _;
+            out.fill(0.0);
+            for k in 0..OC {
+                for r in 0..KH * KW {
+                    for c in 0..IC {
+                        out[(r * IC + c) * GOCP + k] = w[(k * KH * KW + r) * IC + c].to_acc();
+                    }
+                }
+            }
+        }
+
+        /// `dz` into the zero-bordered, channel-padded `zp`, every element written.
+        fn pad_gradient(dz: &[__A], zp: &mut [__A]) {
+            for n in 0..BATCH {
+                for zh in 0..ZH {
+                    let row = &mut zp[(n * ZH + zh) * ZW * GOCP..][..ZW * GOCP];
+                    if zh < TPH || zh >= TPH + OH {
+                        row.fill(0.0);
+                        continue;
+                    }
+                    row[..TPW * GOCP].fill(0.0);
+                    row[(TPW + OW) * GOCP..].fill(0.0);
+                    let src = &dz[(n * OH + zh - TPH) * OW * OC..][..OW * OC];
+                    for (dst, src) in row[TPW * GOCP..(TPW + OW) * GOCP]
+                        .chunks_exact_mut(GOCP)
+                        .zip(src.chunks_exact(OC))
+                    {
+                        dst[..OC].copy_from_slice(src);
+                        dst[OC..].fill(0.0);
+                    }
+                }
+            }
+        }
+
+        #kernel_fn
+    };
+    DataPath {
+        kernel,
+        dx_len: quote!(BATCH * ZH * ZW * GOCP),
+        prepare: TokenStream::new(),
+        run: quote! {
+            pad_gradient(&dz[..BATCH * NPIX * OC], dx);
+            // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
+            unsafe { gather_tiles(dx, packed, d_input) };
+        },
     }
 }
 
@@ -255,6 +461,8 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let chunk = lit(CHUNK);
     quote! {
         const CHUNK: usize = #chunk;
+        /// Window positions per kernel row (`KW * IC`, contiguous in NHWC).
+        const SEG: usize = KW * IC;
         #kernel
         #(#tiles)*
     }
@@ -262,7 +470,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
 
 /// `backward_pass`: the output gradient through activation and norm (`d_conv`), then the bias,
 /// weight and input gradients that were asked for.
-fn backward_pass(spec: &Spec) -> TokenStream {
+fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     let rt = rt();
     let Names {
         layer,
@@ -278,11 +486,12 @@ fn backward_pass(spec: &Spec) -> TokenStream {
     } else {
         quote!(let xa: &[__A] = x;)
     };
-    let store = if spec.dtype.is_half() {
-        quote!(<__T as #rt::Element>::from_acc_slice(src, dst))
-    } else {
-        quote!(dst.copy_from_slice(src))
-    };
+    let DataPath {
+        dx_len,
+        prepare,
+        run,
+        ..
+    } = path;
     quote! {
         #[allow(clippy::too_many_arguments)]
         fn backward_pass(
@@ -302,7 +511,7 @@ fn backward_pass(spec: &Spec) -> TokenStream {
             } else {
                 (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
             };
-            let dx_len = if data { BATCH * XH * XW * IC + L } else { 0 };
+            let dx_len = if data { #dx_len } else { 0 };
             let dw_len = if weights { (WINDOW + 1) * OCP } else { 0 };
             let x_len = if weights && STAGED { BATCH * XH * XW * IC } else { 0 };
             let lens = (BATCH * NPIX * OC + L) + OC + dx_len + dw_len + x_len;
@@ -324,7 +533,7 @@ fn backward_pass(spec: &Spec) -> TokenStream {
             // Scratch is not cleared by the device: zero what is accumulated into or read as 0.
             dz[BATCH * NPIX * OC..].fill(0.0);
             zero_row.fill(0.0);
-            dx.fill(0.0);
+            #prepare
             dw.fill(0.0);
             d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..BATCH * NPIX * OC]);
 
@@ -347,15 +556,7 @@ fn backward_pass(spec: &Spec) -> TokenStream {
             }
 
             if let ::core::option::Option::Some(d_input) = d_input {
-                // SAFETY: as above.
-                unsafe { data_tiles(dz, packed, dx, zero_row) };
-                for n in 0..BATCH {
-                    for h in 0..IH {
-                        let src = &dx[((n * XH + h + PH) * XW + PW) * IC..][..IW * IC];
-                        let dst = &mut d_input[(n * IH + h) * IW * IC..][..IW * IC];
-                        #store;
-                    }
-                }
+                #run
             }
         }
     }
