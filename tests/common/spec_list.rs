@@ -93,12 +93,16 @@ macro_rules! for_each_spec {
         $m!($($pre)* oc1_ic1, input: [5, 5, 1], out_channels: 1, kernel: 2, stride: 1, padding: 0,
             activation: Sigmoid, batch: 2, dtype: f64);
 
-        // Stride-1 3x3 f32 layers the Winograd kernels run: ragged tiles (odd output sizes),
-        // channel blocks of one, two and three vectors, every norm in the suites that add one.
+        // Layers the Winograd kernels run, every norm in the suites that add one. Stride-1 3x3:
+        // ragged tiles (odd output sizes), channel blocks of one, two and three vectors.
         $m!($($pre)* wino_odd, input: [9, 9, 16], out_channels: 16, kernel: 3, stride: 1,
             padding: 0, activation: Tanh, batch: 3, dtype: f32);
         $m!($($pre)* wino_nonsquare, input: [6, 11, 24], out_channels: 40, kernel: 3, stride: 1,
             padding: [1, 0], activation: Gelu, batch: 2, dtype: f32);
+        // Stride-2 4x4 (space-to-depth F(3x3, 2x2)): padding, ragged tiles on both axes, three
+        // vectors of output channels. atari_conv2 is the unpadded case.
+        $m!($($pre)* wino_s2_pad, input: [16, 14, 8], out_channels: 24, kernel: 4, stride: 2,
+            padding: 1, activation: Sigmoid, batch: 2, dtype: f32);
 
         // Kernels and paddings at the edges.
         $m!($($pre)* ic1_k8_output_1x1, input: [8, 8, 1], out_channels: 12, kernel: 8, stride: 1,

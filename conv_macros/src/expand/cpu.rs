@@ -54,12 +54,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let a = acc(spec.dtype);
     let blk = Blocking::new(spec.dtype, spec.out_channels);
     let consts = constants(spec, &blk);
-    // Stride-1 3x3 layers with enough channels run on Winograd kernels, the rest on direct ones.
-    let (forward_kernel, stage, backward) = if winograd::applies(spec) {
+    // Stride-1 3x3 and stride-2 4x4 layers with enough channels run on Winograd kernels, the
+    // rest on direct ones.
+    let (forward_kernel, stage, backward) = if let Some(plan) = winograd::plan(spec) {
         (
-            winograd::forward(spec),
+            winograd::forward(spec, plan),
             TokenStream::new(),
-            winograd::backward(spec),
+            winograd::backward(spec, plan),
         )
     } else {
         (

@@ -1,7 +1,10 @@
-//! Generated Winograd F(2x2, 3x3) CPU code for stride-1 3x3 f32 layers with enough channels:
-//! 16 multiplies per 2x2 output tile and channel pair where the direct convolution does 36.
+//! Generated Winograd CPU code for f32 layers with enough channels: F(2x2, 3x3) for stride-1
+//! 3x3 layers, and F(3x3, 2x2) for stride-2 4x4 layers (the Atari network's second layer),
+//! which are 2x2 stride-1 convolutions of the input rearranged space-to-depth (each 2x2 block
+//! of pixels one pixel of 4x the channels). Either way 16 multiplies per output tile and
+//! channel pair where the direct convolution does 36.
 //!
-//! The batch's output is cut into 2x2 tiles, taken a chunk of whole tile rows at a time (so
+//! The batch's output is cut into `WM x WM` tiles, taken a chunk of whole tile rows at a time (so
 //! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
 //! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::input`), 16 products
 //!   `M[e] = V[e] . U[e]` with the register-blocked tiles of [`super::kernel`], then bias,
@@ -12,9 +15,10 @@
 //!   `dV[e] = N[e] . U[e]^T` (from a second packed copy, `[e][block][oc][lanes]`) added into the
 //!   overlapping input tiles (`winograd::input_gradient`).
 //!
-//! The input is staged in a zero-bordered copy as large as the whole tiles read, so no tile
-//! has a border branch; output tiles past the last row or column are not stored, and their
-//! gradients are zero.
+//! The input is staged (space-to-depth where the stride is 2) in a zero-bordered copy as large
+//! as the whole tiles read, so no tile has a border branch; outputs of tiles past the last row
+//! or column are not stored, and their gradients are zero. `WIC` is the staged image's channel
+//! count (`IC`, or `4 * IC` space-to-depth).
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -31,28 +35,52 @@ use crate::spec::{Dtype, Spec};
 const MAX_TILES: usize = 96;
 const TARGET_TILES: usize = 12;
 
-/// Whether the spec runs on the Winograd kernels: f32, 3x3, stride 1, channel counts in whole
-/// vectors of at least two, and tiles that do not waste the saving on a ragged border.
-pub fn applies(spec: &Spec) -> bool {
+/// The Winograd algorithm a spec runs on.
+#[derive(Clone, Copy)]
+pub struct Plan {
+    /// Output tile size (the kernel is `5 - m`: 4x4 input tiles).
+    m: usize,
+    /// Space-to-depth factor of the staged input (the layer's stride).
+    sd: usize,
+    /// The runtime's `winograd::Variant`.
+    variant: &'static str,
+}
+
+/// The spec's Winograd plan, if it runs on these kernels: f32, 3x3 stride 1 or 4x4 stride 2,
+/// channel counts (of the staged input) in whole vectors of at least two, and tiles that do
+/// not waste the saving on a ragged border.
+pub fn plan(spec: &Spec) -> Option<Plan> {
     let lanes = spec.dtype.lanes();
     let channels = |c: usize| c.is_multiple_of(lanes) && c >= 2 * lanes;
-    let (oh, ow) = (spec.out_h(), spec.out_w());
+    let plan = match (spec.kernel, spec.stride) {
+        ([3, 3], [1, 1]) => Plan {
+            m: 2,
+            sd: 1,
+            variant: "F2x3",
+        },
+        ([4, 4], [2, 2]) => Plan {
+            m: 3,
+            sd: 2,
+            variant: "F3x2",
+        },
+        _ => return None,
+    };
+    let (oh, ow, m) = (spec.out_h(), spec.out_w(), plan.m);
     // Multiplies saved (2.25x on whole tiles) less the outputs the last tiles compute for
     // nothing: the direct kernel stays where the net gain is under 1.5x.
-    let covered = 4 * oh.div_ceil(2) * ow.div_ceil(2);
+    let covered = m * m * oh.div_ceil(m) * ow.div_ceil(m);
     let gain = 2.25 * (oh * ow) as f64 / covered as f64;
-    spec.dtype == Dtype::F32
-        && spec.kernel == [3, 3]
-        && spec.stride == [1, 1]
-        && channels(spec.in_c())
+    let fits = spec.dtype == Dtype::F32
+        && channels(plan.sd * plan.sd * spec.in_c())
         && channels(spec.out_channels)
-        && gain >= 1.5
+        && gain >= 1.5;
+    fits.then_some(plan)
 }
 
 /// Tile rows per chunk: the fewest rows computed for nothing by the `P`-row register tiles,
 /// then the chunk nearest `TARGET_TILES`.
-fn chunk_rows(spec: &Spec) -> usize {
-    let (th, tw) = (spec.out_h().div_ceil(2), spec.out_w().div_ceil(2));
+fn chunk_rows(spec: &Spec, plan: Plan) -> usize {
+    let (th, tw) = (spec.out_h().div_ceil(plan.m), spec.out_w().div_ceil(plan.m));
     let p = Blocking::new(spec.dtype, spec.out_channels).p;
     let max = (MAX_TILES / tw).clamp(1, spec.batch * th);
     (1..=max)
@@ -65,36 +93,49 @@ fn chunk_rows(spec: &Spec) -> usize {
         .unwrap_or(1)
 }
 
-/// Tile geometry as constants: `WTH x WTW` tiles per image, the staged `WH x WW` image, chunks
-/// of `WROWS` tile rows whose transforms have `WCT` rows (room for the last register tile's
-/// rows past the chunk: every row count the products run in is a divisor of 12).
-fn constants(spec: &Spec) -> TokenStream {
-    let (th, tw) = (spec.out_h().div_ceil(2), spec.out_w().div_ceil(2));
-    let rows = chunk_rows(spec);
-    usize_consts(&[
+/// Tile geometry as constants: `WM x WM` output tiles, `WTH x WTW` of them per image, the
+/// staged `WH x WW x WIC` image (space-to-depth by `SD`), chunks of `WROWS` tile rows whose
+/// transforms have `WCT` rows (room for the last register tile's rows past the chunk: every
+/// row count the products run in is a divisor of 12); `WV` the runtime's variant.
+fn constants(spec: &Spec, plan: Plan) -> TokenStream {
+    let rt = rt();
+    let m = plan.m;
+    let (th, tw) = (spec.out_h().div_ceil(m), spec.out_w().div_ceil(m));
+    let rows = chunk_rows(spec, plan);
+    let wic = plan.sd * plan.sd * spec.in_c();
+    let consts = usize_consts(&[
+        ("WM", m),
+        ("WR", 5 - m),
+        ("SD", plan.sd),
+        ("WIC", wic),
         ("WTH", th),
         ("WTW", tw),
-        ("WH", 2 * th + 2),
-        ("WW", 2 * tw + 2),
+        ("WH", m * th + 4 - m),
+        ("WW", m * tw + 4 - m),
         ("WROWS", rows),
         ("WCT", (rows * tw).next_multiple_of(12)),
         ("ELEMS", 16),
-        ("U_LEN", 16 * spec.in_c() * spec.out_channels),
-    ])
+        ("U_LEN", 16 * wic * spec.out_channels),
+    ]);
+    let variant = format_ident!("{}", plan.variant);
+    quote! {
+        #consts
+        type WV = #rt::winograd::#variant;
+    }
 }
 
 /// The forward convolution (`conv`, the same signature as the direct kernel's), the staging
 /// and the packing.
-pub fn forward(spec: &Spec) -> TokenStream {
+pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
     let rt = rt();
     let layer = &spec.ident;
     let (oc_blk, ic_blk) = (
         Blocking::new(spec.dtype, spec.out_channels),
-        Blocking::new(spec.dtype, spec.in_c()),
+        Blocking::new(spec.dtype, plan.sd * plan.sd * spec.in_c()),
     );
-    let consts = constants(spec);
+    let consts = constants(spec, plan);
     let layout = layout_id(spec, 3);
-    let gemm = product("wino_gemm", &oc_blk, quote!(IC), quote!(OC));
+    let gemm = product("wino_gemm", &oc_blk, quote!(WIC), quote!(OC));
     let tiles = gemm_tiles(spec, &[&oc_blk, &ic_blk]);
     let helpers = helpers();
     let oc_block = lit(oc_blk.v * oc_blk.lanes);
@@ -109,8 +150,8 @@ pub fn forward(spec: &Spec) -> TokenStream {
         },
         quote!(xs, u, v, m, y, epilogue),
         quote! {
-            ::core::debug_assert!(xs.len() >= __B * WH * WW * IC && u.len() == U_LEN + OC);
-            ::core::debug_assert!(v.len() >= ELEMS * WCT * IC && m.len() >= ELEMS * WCT * OC);
+            ::core::debug_assert!(xs.len() >= __B * WH * WW * WIC && u.len() == U_LEN + OC);
+            ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && m.len() >= ELEMS * WCT * OC);
             ::core::debug_assert!(y.len() == __B * NPIX * OC);
             let rows_total = __B * WTH;
             let (xs, u, vp, mp) = (xs.as_ptr(), u.as_ptr(), v.as_mut_ptr(), m.as_mut_ptr());
@@ -125,17 +166,17 @@ pub fn forward(spec: &Spec) -> TokenStream {
                 for t in 0..count {
                     let (g, tw) = (r0 + t / WTW, t % WTW);
                     let (n, th) = (g / WTH, g % WTH);
-                    let (oh, ow) = (2 * th, 2 * tw);
+                    let (oh, ow) = (WM * th, WM * tw);
                     let base = yp.add(((n * OH + oh) * OW + ow) * OC);
-                    let (down, right) = (oh + 1 < OH, ow + 1 < OW);
+                    // The tile's rows and columns inside the output.
+                    let down = if OH - oh < WM { OH - oh } else { WM };
+                    let right = if OW - ow < WM { OW - ow } else { WM };
                     for k in (0..OC).step_by(L) {
                         let b = S::load(bias.add(k));
-                        let out = #rt::winograd::output::<S>(mp.add(t * OC + k), WCT * OC);
-                        for (r, row) in out.into_iter().enumerate() {
-                            if r == 1 && !down { break; }
-                            for (c, value) in row.into_iter().enumerate() {
-                                if c == 1 && !right { break; }
-                                let mut value = value.add(b);
+                        let out = #rt::winograd::output::<WV, S>(mp.add(t * OC + k), WCT * OC);
+                        for r in 0..down {
+                            for c in 0..right {
+                                let mut value = out[r][c].add(b);
                                 if RELU { value = value.max(S::zero()); }
                                 value.store(base.add((r * OW + c) * OC + k));
                             }
@@ -144,8 +185,8 @@ pub fn forward(spec: &Spec) -> TokenStream {
                 }
                 // The chunk's whole tile rows are one contiguous range of output pixels.
                 let last = r0 + rows - 1;
-                let first = r0 / WTH * NPIX + 2 * (r0 % WTH) * OW;
-                let end_row = if 2 * (last % WTH) + 2 < OH { 2 * (last % WTH) + 2 } else { OH };
+                let first = r0 / WTH * NPIX + WM * (r0 % WTH) * OW;
+                let end_row = if WM * (last % WTH) + WM < OH { WM * (last % WTH) + WM } else { OH };
                 let end = last / WTH * NPIX + end_row * OW;
                 epilogue(&mut y[first * OC..end * OC], first, end - first);
                 r0 += rows;
@@ -155,15 +196,31 @@ pub fn forward(spec: &Spec) -> TokenStream {
     quote! {
         #consts
 
-        /// Copies `B` images into `xs` (`B * WH * WW * IC`) inside a zero border that covers
-        /// every tile.
+        /// Copies `B` images into `xs` (`B * WH * WW * WIC`, space-to-depth by `SD`: padded
+        /// pixel `(h, w)` goes to `(h / SD, w / SD)`, channel block `(h % SD) * SD + w % SD`)
+        /// inside a zero border that covers every tile.
         fn wino_stage<const __B: usize>(x: &[__T], xs: &mut [__A]) {
-            xs[..__B * WH * WW * IC].fill(0.0);
+            // Zeros where the input does not cover the staged image (the whole copy is written
+            // otherwise, as for the Atari network's second layer).
+            if PH + PW > 0 || IH != SD * WH || IW != SD * WW {
+                xs[..__B * WH * WW * WIC].fill(0.0);
+            }
             for n in 0..__B {
                 for h in 0..IH {
-                    let src = &x[(n * IH + h) * IW * IC..][..IW * IC];
-                    let dst = &mut xs[((n * WH + h + PH) * WW + PW) * IC..][..IW * IC];
-                    <__T as #rt::Element>::to_acc_slice(src, dst);
+                    let (h2, dy) = ((h + PH) / SD, (h + PH) % SD);
+                    if SD == 1 {
+                        let src = &x[(n * IH + h) * IW * IC..][..IW * IC];
+                        let dst = &mut xs[((n * WH + h2) * WW + PW) * IC..][..IW * IC];
+                        <__T as #rt::Element>::to_acc_slice(src, dst);
+                        continue;
+                    }
+                    for w in 0..IW {
+                        let (w2, dx) = ((w + PW) / SD, (w + PW) % SD);
+                        let src = &x[((n * IH + h) * IW + w) * IC..][..IC];
+                        let block = (dy * SD + dx) * IC;
+                        let dst = &mut xs[((n * WH + h2) * WW + w2) * WIC + block..][..IC];
+                        <__T as #rt::Element>::to_acc_slice(src, dst);
+                    }
                 }
             }
         }
@@ -188,10 +245,10 @@ pub fn forward(spec: &Spec) -> TokenStream {
                 key,
                 U_LEN + OC,
                 |out| pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out),
-                __B * WH * WW * IC + ELEMS * WCT * (IC + OC) + y_scratch,
+                __B * WH * WW * WIC + ELEMS * WCT * (WIC + OC) + y_scratch,
             );
-            let (xs, rest) = ws.scratch.split_at_mut(__B * WH * WW * IC);
-            let (v, rest) = rest.split_at_mut(ELEMS * WCT * IC);
+            let (xs, rest) = ws.scratch.split_at_mut(__B * WH * WW * WIC);
+            let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
             let (m, rest) = rest.split_at_mut(ELEMS * WCT * OC);
             wino_stage::<__B>(x, xs);
             let y: &mut [__A] = match ya {
@@ -204,23 +261,34 @@ pub fn forward(spec: &Spec) -> TokenStream {
 
         #kernel
 
-        /// The transformed weights `G g G^T` of every channel pair, `L` pairs at a time along
-        /// output channels if `k_inner`, else along input channels: `put(e, k, c, values)`
-        /// gets element `e` of the pairs `(k, c)` on. Rows of `L` are what the packed copies
-        /// hold contiguously; written one value at a time, the 16 planes 16 KiB apart ran 8x
-        /// slower.
+        /// Where tap `(a, b)` of the staged kernel for staged channel `cp` is in the OHWI
+        /// weights of output channel 0 (space-to-depth: tap `(SD a + dy, SD b + dx)`).
+        #[inline(always)]
+        fn wino_tap(a: usize, b: usize, cp: usize) -> usize {
+            let (block, c) = (cp / IC, cp % IC);
+            let (dy, dx) = (block / SD, block % SD);
+            ((SD * a + dy) * KW + SD * b + dx) * IC + c
+        }
+
+        /// The transformed weights `G g G^T` of every channel pair (staged channels), `L` pairs
+        /// at a time along output channels if `k_inner`, else along staged channels:
+        /// `put(e, k, c, values)` gets element `e` of the pairs `(k, c)` on. Rows of `L` are
+        /// what the packed copies hold contiguously; written one value at a time, the 16 planes
+        /// 16 KiB apart ran 8x slower.
         fn wino_weights(w: &[__T], k_inner: bool, mut put: impl FnMut(usize, usize, usize, &[__A; L])) {
             use #rt::Element as _;
-            for outer in 0..if k_inner { IC } else { OC } {
-                for inner in (0..if k_inner { OC } else { IC }).step_by(L) {
+            for outer in 0..if k_inner { WIC } else { OC } {
+                for inner in (0..if k_inner { OC } else { WIC }).step_by(L) {
                     let mut rows = [[0.0; L]; ELEMS];
                     for i in 0..L {
                         let (k, c) = if k_inner { (inner + i, outer) } else { (outer, inner + i) };
-                        let mut g = [[0.0; 3]; 3];
-                        for r in 0..9 {
-                            g[r / 3][r % 3] = w[k * WINDOW + r * IC + c].to_acc();
+                        let mut g = [[0.0; 4]; 4];
+                        for a in 0..WR {
+                            for b in 0..WR {
+                                g[a][b] = w[k * WINDOW + wino_tap(a, b, c)].to_acc();
+                            }
                         }
-                        let u = #rt::winograd::weight(g);
+                        let u = #rt::winograd::weight::<WV, _>(g);
                         for e in 0..ELEMS {
                             rows[e][i] = u[e / 4][e % 4];
                         }
@@ -233,14 +301,14 @@ pub fn forward(spec: &Spec) -> TokenStream {
             }
         }
 
-        /// OHWI weights -> `U[e][block of OC][ic][lanes]`, then the biases. Once per parameter
-        /// change.
+        /// OHWI weights -> `U[e][block of OC][staged channel][lanes]`, then the biases. Once per
+        /// parameter change.
         fn pack_wino(w: &[__T], b: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
             wino_weights(w, true, |e, k, c, values| {
                 let first = k / #oc_block * #oc_block;
                 let width = if OC - first < #oc_block { OC - first } else { #oc_block };
-                out[e * IC * OC + IC * first + c * width + (k - first)..][..L].copy_from_slice(values);
+                out[e * WIC * OC + WIC * first + c * width + (k - first)..][..L].copy_from_slice(values);
             });
             for k in 0..OC {
                 out[U_LEN + k] = b[k].to_acc();
@@ -257,7 +325,7 @@ pub fn forward(spec: &Spec) -> TokenStream {
 fn helpers() -> TokenStream {
     let rt = rt();
     quote! {
-        /// `V[e][t][ic]` of the chunk's `count` tiles from tile row `r0` on.
+        /// `V[e][t][staged channel]` of the chunk's `count` tiles from tile row `r0` on.
         #[inline(always)]
         unsafe fn wino_input<S: #rt::Simd<Elem = __A>>(
             xs: *const __A, v: *mut __A, r0: usize, count: usize,
@@ -265,9 +333,9 @@ fn helpers() -> TokenStream {
             for t in 0..count {
                 let (g, tw) = (r0 + t / WTW, t % WTW);
                 let (n, th) = (g / WTH, g % WTH);
-                let src = xs.add(((n * WH + 2 * th) * WW + 2 * tw) * IC);
-                for c in (0..IC).step_by(L) {
-                    #rt::winograd::input::<S>(src.add(c), WW * IC, IC, v.add(t * IC + c), WCT * IC);
+                let src = xs.add(((n * WH + WM * th) * WW + WM * tw) * WIC);
+                for c in (0..WIC).step_by(L) {
+                    #rt::winograd::input::<WV, S>(src.add(c), WW * WIC, WIC, v.add(t * WIC + c), WCT * WIC);
                 }
             }
         }
@@ -359,10 +427,10 @@ fn gemm_tiles(spec: &Spec, blockings: &[&Blocking]) -> Vec<TokenStream> {
 
 /// `wgrad{p}_{nv}_{lanes}`: `dU[e]` rows `c..c + p` (vectors of output channels) plus
 /// `sum over the chunk's tiles V[e][t][c + i] * N[e][t][..]`.
-fn weight_tiles(spec: &Spec, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) {
+fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) {
     let rt = rt();
     let l = blk.lanes;
-    let ic = spec.in_c();
+    let ic = plan.sd * plan.sd * spec.in_c();
     let (full, rem) = (ic / blk.p, ic % blk.p);
     let mut ps = vec![blk.p];
     if rem > 0 {
@@ -399,7 +467,7 @@ fn weight_tiles(spec: &Spec, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) 
                 ) {
                     #init
                     for t in 0..count {
-                        let (vt, nt) = (v.add(t * IC), n.add(t * OC));
+                        let (vt, nt) = (v.add(t * WIC), n.add(t * OC));
                         #step
                     }
                     #stores
@@ -434,7 +502,7 @@ fn weight_tiles(spec: &Spec, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) 
             v: *const __A, n: *const __A, du: *mut __A, count: usize,
         ) {
             for e in 0..ELEMS {
-                let (ve, ne, de) = (v.add(e * WCT * IC), n.add(e * WCT * OC), du.add(e * IC * OC));
+                let (ve, ne, de) = (v.add(e * WCT * WIC), n.add(e * WCT * OC), du.add(e * WIC * OC));
                 #(#blocks)*
             }
         }
@@ -443,7 +511,7 @@ fn weight_tiles(spec: &Spec, blk: &Blocking) -> (Vec<TokenStream>, TokenStream) 
 }
 
 /// `backward_pass` with the Winograd kernels (the same signature as the direct one's).
-pub fn backward(spec: &Spec) -> TokenStream {
+pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let rt = rt();
     let Names {
         layer,
@@ -453,10 +521,10 @@ pub fn backward(spec: &Spec) -> TokenStream {
     } = Names::of(spec);
     let (oc_blk, ic_blk) = (
         Blocking::new(spec.dtype, spec.out_channels),
-        Blocking::new(spec.dtype, spec.in_c()),
+        Blocking::new(spec.dtype, plan.sd * plan.sd * spec.in_c()),
     );
-    let data_product = product("wino_data_product", &ic_blk, quote!(OC), quote!(IC));
-    let (wtiles, weight_product) = weight_tiles(spec, &oc_blk);
+    let data_product = product("wino_data_product", &ic_blk, quote!(OC), quote!(WIC));
+    let (wtiles, weight_product) = weight_tiles(spec, plan, &oc_blk);
     let layout = layout_id(spec, 4);
     let ic_block = lit(ic_blk.v * ic_blk.lanes);
     let kernel = dispatched(
@@ -471,10 +539,10 @@ pub fn backward(spec: &Spec) -> TokenStream {
         quote!(xs, dz, ut, v, n, du, dx),
         quote! {
             let (weights, data) = (!du.is_empty(), !dx.is_empty());
-            ::core::debug_assert!(!weights || (xs.len() >= BATCH * WH * WW * IC && du.len() == U_LEN));
-            ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() == BATCH * WH * WW * IC));
+            ::core::debug_assert!(!weights || (xs.len() >= BATCH * WH * WW * WIC && du.len() == U_LEN));
+            ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() == BATCH * WH * WW * WIC));
             ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC);
-            ::core::debug_assert!(v.len() >= ELEMS * WCT * IC && n.len() >= ELEMS * WCT * OC);
+            ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && n.len() >= ELEMS * WCT * OC);
             let rows_total = BATCH * WTH;
             let (xs, dz, ut) = (xs.as_ptr(), dz.as_ptr(), ut.as_ptr());
             let (vp, np, dup, dxp) = (v.as_mut_ptr(), n.as_mut_ptr(), du.as_mut_ptr(), dx.as_mut_ptr());
@@ -489,19 +557,18 @@ pub fn backward(spec: &Spec) -> TokenStream {
                 for t in 0..count {
                     let (g, tw) = (r0 + t / WTW, t % WTW);
                     let (img, th) = (g / WTH, g % WTH);
-                    let (oh, ow) = (2 * th, 2 * tw);
+                    let (oh, ow) = (WM * th, WM * tw);
                     let base = dz.add(((img * OH + oh) * OW + ow) * OC);
-                    let (down, right) = (oh + 1 < OH, ow + 1 < OW);
+                    let down = if OH - oh < WM { OH - oh } else { WM };
+                    let right = if OW - ow < WM { OW - ow } else { WM };
                     for k in (0..OC).step_by(L) {
-                        let zero = S::zero();
-                        let dy = [
-                            [S::load(base.add(k)), if right { S::load(base.add(OC + k)) } else { zero }],
-                            [
-                                if down { S::load(base.add(OW * OC + k)) } else { zero },
-                                if down && right { S::load(base.add((OW + 1) * OC + k)) } else { zero },
-                            ],
-                        ];
-                        #rt::winograd::gradient::<S>(dy, np.add(t * OC + k), WCT * OC);
+                        let mut dy = [[S::zero(); 4]; 4];
+                        for r in 0..down {
+                            for c in 0..right {
+                                dy[r][c] = S::load(base.add((r * OW + c) * OC + k));
+                            }
+                        }
+                        #rt::winograd::gradient::<WV, S>(dy, np.add(t * OC + k), WCT * OC);
                     }
                 }
                 if weights {
@@ -513,9 +580,9 @@ pub fn backward(spec: &Spec) -> TokenStream {
                     for t in 0..count {
                         let (g, tw) = (r0 + t / WTW, t % WTW);
                         let (img, th) = (g / WTH, g % WTH);
-                        let dst = dxp.add(((img * WH + 2 * th) * WW + 2 * tw) * IC);
-                        for c in (0..IC).step_by(L) {
-                            #rt::winograd::input_gradient::<S>(vp.add(t * IC + c), WCT * IC, dst.add(c), WW * IC, IC);
+                        let dst = dxp.add(((img * WH + WM * th) * WW + WM * tw) * WIC);
+                        for c in (0..WIC).step_by(L) {
+                            #rt::winograd::input_gradient::<WV, S>(vp.add(t * WIC + c), WCT * WIC, dst.add(c), WW * WIC, WIC);
                         }
                     }
                 }
@@ -524,12 +591,13 @@ pub fn backward(spec: &Spec) -> TokenStream {
         },
     );
     quote! {
-        /// OHWI weights -> `U[e][block of IC][oc][lanes]`, the input gradient's order.
+        /// OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's
+        /// order.
         fn pack_wino_data(w: &[__T], out: &mut [__A]) {
             wino_weights(w, false, |e, k, c, values| {
                 let first = c / #ic_block * #ic_block;
-                let width = if IC - first < #ic_block { IC - first } else { #ic_block };
-                out[e * IC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
+                let width = if WIC - first < #ic_block { WIC - first } else { #ic_block };
+                out[e * WIC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
             });
         }
 
@@ -555,11 +623,11 @@ pub fn backward(spec: &Spec) -> TokenStream {
             } else {
                 #rt::PackKey { stamps: [0, 0], layout: 0 }
             };
-            let staged = BATCH * WH * WW * IC;
+            let staged = BATCH * WH * WW * WIC;
             let x_len = if weights { staged } else { 0 };
             let du_len = if weights { U_LEN } else { 0 };
             let dx_len = if data { staged } else { 0 };
-            let lens = BATCH * NPIX * OC + ELEMS * WCT * (IC + OC) + x_len + du_len + dx_len;
+            let lens = BATCH * NPIX * OC + ELEMS * WCT * (WIC + OC) + x_len + du_len + dx_len;
             let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
                 key,
                 if data { U_LEN } else { 0 },
@@ -571,7 +639,7 @@ pub fn backward(spec: &Spec) -> TokenStream {
                 lens,
             );
             let (dz, rest) = scratch.split_at_mut(BATCH * NPIX * OC);
-            let (v, rest) = rest.split_at_mut(ELEMS * WCT * IC);
+            let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
             let (n, rest) = rest.split_at_mut(ELEMS * WCT * OC);
             let (xs, rest) = rest.split_at_mut(x_len);
             let (du, rest) = rest.split_at_mut(du_len);
@@ -594,16 +662,16 @@ pub fn backward(spec: &Spec) -> TokenStream {
                     }
                 }
                 let gw = g.weights.as_mut_slice();
-                for c in 0..IC {
+                for c in 0..WIC {
                     for k in 0..OC {
                         let mut dt = [[0.0; 4]; 4];
                         for e in 0..ELEMS {
-                            dt[e / 4][e % 4] = du[e * IC * OC + c * OC + k];
+                            dt[e / 4][e % 4] = du[e * WIC * OC + c * OC + k];
                         }
-                        let dg = #rt::winograd::weight_gradient(dt);
-                        for kh in 0..3 {
-                            for kw in 0..3 {
-                                gw[k * WINDOW + (kh * 3 + kw) * IC + c] += dg[kh][kw];
+                        let dg = #rt::winograd::weight_gradient::<WV, _>(dt);
+                        for a in 0..WR {
+                            for b in 0..WR {
+                                gw[k * WINDOW + wino_tap(a, b, c)] += dg[a][b];
                             }
                         }
                     }
@@ -611,11 +679,21 @@ pub fn backward(spec: &Spec) -> TokenStream {
             }
 
             if let ::core::option::Option::Some(d_input) = d_input {
+                // The staged gradient back to NHWC (`wino_stage` inverted).
                 for img in 0..BATCH {
                     for h in 0..IH {
-                        let src = &dx[((img * WH + h + PH) * WW + PW) * IC..][..IW * IC];
-                        let dst = &mut d_input[(img * IH + h) * IW * IC..][..IW * IC];
-                        dst.copy_from_slice(src);
+                        let (h2, dy) = ((h + PH) / SD, (h + PH) % SD);
+                        if SD == 1 {
+                            let src = &dx[((img * WH + h2) * WW + PW) * IC..][..IW * IC];
+                            d_input[(img * IH + h) * IW * IC..][..IW * IC].copy_from_slice(src);
+                            continue;
+                        }
+                        for w in 0..IW {
+                            let (w2, dx_) = ((w + PW) / SD, (w + PW) % SD);
+                            let block = (dy * SD + dx_) * IC;
+                            let src = &dx[((img * WH + h2) * WW + w2) * WIC + block..][..IC];
+                            d_input[((img * IH + h) * IW + w) * IC..][..IC].copy_from_slice(src);
+                        }
                     }
                 }
             }
