@@ -115,22 +115,38 @@ impl Cpu {
         let index = match hit {
             Some(i) => i,
             None => {
-                let mut data = vec![A::zero(); packed_len];
+                // A full cache gives up its least recently used entry, and that entry's memory:
+                // after every optimizer step each layer misses, and fresh allocations of
+                // packed weights cost page faults that took as long as the convolution.
+                let victim = (self.packs.len() >= PACK_CAPACITY).then(|| {
+                    (0..self.packs.len())
+                        .min_by_key(|&i| self.packs[i].last_use)
+                        .unwrap_or(0)
+                });
+                let mut data = match victim {
+                    Some(i) => {
+                        let old = std::mem::replace(&mut self.packs[i].data, Box::new(()));
+                        old.downcast::<Vec<A>>().map(|v| *v).unwrap_or_default()
+                    }
+                    None => Vec::new(),
+                };
+                data.clear();
+                data.resize(packed_len, A::zero());
                 pack(&mut data);
                 let entry = Packed {
                     key,
                     last_use: clock,
                     data: Box::new(data),
                 };
-                if self.packs.len() < PACK_CAPACITY {
-                    self.packs.push(entry);
-                    self.packs.len() - 1
-                } else {
-                    let oldest = (0..self.packs.len())
-                        .min_by_key(|&i| self.packs[i].last_use)
-                        .unwrap_or(0);
-                    self.packs[oldest] = entry;
-                    oldest
+                match victim {
+                    Some(i) => {
+                        self.packs[i] = entry;
+                        i
+                    }
+                    None => {
+                        self.packs.push(entry);
+                        self.packs.len() - 1
+                    }
                 }
             }
         };
