@@ -1,29 +1,36 @@
-//! Winograd convolution on 4x4 input tiles: the tile transforms of the generated F(2x2, 3x3)
+//! Winograd convolution: the tile transforms of the generated F(2x2, 3x3) and F(4x4, 3x3)
 //! (stride-1 3x3 layers) and F(3x3, 2x2) (stride-2 4x4 layers, as 2x2 convolutions of the
 //! space-to-depth input) kernels.
 //!
-//! An `m x m` output tile of an `r x r` kernel `g` over a 4x4 input tile `d` (`m + r - 1 = 4`)
-//! is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: 16 multiplies per tile and
-//! channel pair instead of 36. Summed over input channels, the 16 element-wise products become
-//! 16 matrix products (tiles x input channels times input channels x output channels), which the
+//! An `m x m` output tile of an `r x r` kernel `g` over an `n x n` input tile `d`
+//! (`n = m + r - 1`) is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: `n^2`
+//! multiplies per tile and channel pair instead of `m^2 r^2` (16 for 36, 36 for 144). Summed over
+//! input channels, the `n^2` element-wise products become matrix products (tiles x input channels times input channels x output channels), which the
 //! generated code runs with its register-blocked kernels. These are the transforms around them,
 //! one vector of channels at a time, and their adjoints, which give the gradients by the same
 //! matrix products:
 //! - weights: `dg = G^T [sum over tiles (B^T d B) * (A dY A^T)] G`;
 //! - input: `dd = B [(G g G^T) * (A dY A^T)] B^T`, added into the overlapping input tiles.
 //!
-//! The transforms only add and subtract (the halves of `G` are applied once, to the weights),
-//! so the rounding differs from the direct sum by a few units in the last place. Tiles and
-//! kernels are `[S; 4]` / `[R; 4]` arrays whatever `m` and `r`; entries past them are unused.
+//! F(2x2, 3x3) and F(3x3, 2x2) only add and subtract (the halves of `G` are applied once, to
+//! the weights), so their rounding differs from the direct sum by a few units in the last
+//! place; F(4x4, 3x3) also scales by 2, 4, 5 and 8, and its error is a few times larger (still
+//! within 1e-6 relative in f32 on unit-scale data). Tiles and kernels are `[S; 6]` / `[T; 6]`
+//! arrays whatever `n`, `m` and `r`; entries past them are unused.
 
 // The transforms index the rows and columns of 4x4 matrices, as they are written on paper.
 #![allow(clippy::needless_range_loop)]
 
-use crate::element::Real;
 use crate::simd::Simd;
 
-/// One Winograd algorithm: its output tile `M`, kernel `R` and the 1-D transforms.
+/// Entries of the arrays the transforms work on: the largest tile.
+pub const MAX: usize = 6;
+
+/// One Winograd algorithm: its input tile `N`, output tile `M`, kernel `R` and the 1-D
+/// transforms.
 pub trait Variant {
+    /// Input tile size.
+    const N: usize;
     /// Output tile size.
     const M: usize;
     /// Kernel size.
@@ -31,23 +38,27 @@ pub trait Variant {
     /// `B^T x`.
     /// # Safety
     /// As [`Simd::zero`].
-    unsafe fn bt<S: Simd>(x: [S; 4]) -> [S; 4];
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX];
     /// `B x`, the adjoint of `bt`.
     /// # Safety
     /// As [`Simd::zero`].
-    unsafe fn b<S: Simd>(x: [S; 4]) -> [S; 4];
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX];
     /// `A^T x` (first `M` entries).
     /// # Safety
     /// As [`Simd::zero`].
-    unsafe fn at<S: Simd>(x: [S; 4]) -> [S; 4];
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX];
     /// `A y` of the first `M` entries of `y`, the adjoint of `at`.
     /// # Safety
     /// As [`Simd::zero`].
-    unsafe fn a<S: Simd>(y: [S; 4]) -> [S; 4];
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX];
     /// `G x` of the first `R` entries of `x`.
-    fn g<T: Real>(x: [T; 4]) -> [T; 4];
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX];
     /// `G^T x` (first `R` entries), the adjoint of `g`.
-    fn gt<T: Real>(x: [T; 4]) -> [T; 4];
+    /// # Safety
+    /// As [`Simd::zero`].
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX];
 }
 
 /// F(2x2, 3x3), interpolation points 0, 1, -1 and infinity.
@@ -56,116 +67,277 @@ pub struct F2x3;
 /// F(3x3, 2x2), interpolation points 0, 1, -1 and infinity.
 pub struct F3x2;
 
+/// F(4x4, 3x3), interpolation points 0, 1, -1, 2, -2 and infinity.
+pub struct F4x3;
+
 impl Variant for F2x3 {
+    const N: usize = 4;
     const M: usize = 2;
     const R: usize = 3;
     #[inline(always)]
-    unsafe fn bt<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             x[0].sub(x[2]),
             x[1].add(x[2]),
             x[2].sub(x[1]),
             x[1].sub(x[3]),
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    unsafe fn b<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             x[0],
             x[1].sub(x[2]).add(x[3]),
             x[1].add(x[2]).sub(x[0]),
-            S::zero().sub(x[3]),
+            z.sub(x[3]),
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    unsafe fn at<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let z = S::zero();
-        [x[0].add(x[1]).add(x[2]), x[1].sub(x[2]).sub(x[3]), z, z]
-    }
-    #[inline(always)]
-    unsafe fn a<S: Simd>(y: [S; 4]) -> [S; 4] {
-        [y[0], y[0].add(y[1]), y[0].sub(y[1]), S::zero().sub(y[1])]
-    }
-    #[inline(always)]
-    fn g<T: Real>(x: [T; 4]) -> [T; 4] {
-        let half = T::from_f64(0.5);
         [
-            x[0],
-            (x[0] + x[1] + x[2]) * half,
-            (x[0] - x[1] + x[2]) * half,
-            x[2],
+            x[0].add(x[1]).add(x[2]),
+            x[1].sub(x[2]).sub(x[3]),
+            z,
+            z,
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    fn gt<T: Real>(x: [T; 4]) -> [T; 4] {
-        let half = T::from_f64(0.5);
-        [
-            x[0] + (x[1] + x[2]) * half,
-            (x[1] - x[2]) * half,
-            (x[1] + x[2]) * half + x[3],
-            T::zero(),
-        ]
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
+        [y[0], y[0].add(y[1]), y[0].sub(y[1]), z.sub(y[1]), z, z]
+    }
+    #[inline(always)]
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (h, z) = (S::splat(c(0.5)), S::zero());
+        let s = x[0].add(x[2]);
+        [x[0], s.add(x[1]).mul(h), s.sub(x[1]).mul(h), x[2], z, z]
+    }
+    #[inline(always)]
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (h, z) = (S::splat(c(0.5)), S::zero());
+        let s = x[1].add(x[2]).mul(h);
+        [x[0].add(s), x[1].sub(x[2]).mul(h), s.add(x[3]), z, z, z]
     }
 }
 
 impl Variant for F3x2 {
+    const N: usize = 4;
     const M: usize = 3;
     const R: usize = 2;
     #[inline(always)]
-    unsafe fn bt<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             x[0].sub(x[2]),
             x[1].add(x[2]),
             x[2].sub(x[1]),
             x[3].sub(x[1]),
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    unsafe fn b<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             x[0],
             x[1].sub(x[2]).sub(x[3]),
             x[1].add(x[2]).sub(x[0]),
             x[3],
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    unsafe fn at<S: Simd>(x: [S; 4]) -> [S; 4] {
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             x[0].add(x[1]).add(x[2]),
             x[1].sub(x[2]),
             x[1].add(x[2]).add(x[3]),
-            S::zero(),
+            z,
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    unsafe fn a<S: Simd>(y: [S; 4]) -> [S; 4] {
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
+        let z = S::zero();
         [
             y[0],
             y[0].add(y[1]).add(y[2]),
             y[0].sub(y[1]).add(y[2]),
             y[2],
+            z,
+            z,
         ]
     }
     #[inline(always)]
-    fn g<T: Real>(x: [T; 4]) -> [T; 4] {
-        let half = T::from_f64(0.5);
-        [x[0], (x[0] + x[1]) * half, (x[0] - x[1]) * half, x[1]]
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (h, z) = (S::splat(c(0.5)), S::zero());
+        [
+            x[0],
+            x[0].add(x[1]).mul(h),
+            x[0].sub(x[1]).mul(h),
+            x[1],
+            z,
+            z,
+        ]
     }
     #[inline(always)]
-    fn gt<T: Real>(x: [T; 4]) -> [T; 4] {
-        let half = T::from_f64(0.5);
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (h, z) = (S::splat(c(0.5)), S::zero());
         [
-            x[0] + (x[1] + x[2]) * half,
-            (x[1] - x[2]) * half + x[3],
-            T::zero(),
-            T::zero(),
+            x[0].add(x[1].add(x[2]).mul(h)),
+            x[1].sub(x[2]).mul(h).add(x[3]),
+            z,
+            z,
+            z,
+            z,
         ]
     }
 }
 
-/// `B^T d B` of one vector of channels: `d[i][j]` at `x + i * row + j * col`; element `e` of
-/// the result is stored at `v + e * stride`.
+// F(4x4, 3x3) (Lavin and Gray, 2016):
+// B^T = [4 0 -5 0 1 0; 0 -4 -4 1 1 0; 0 4 -4 -1 1 0; 0 -2 -1 2 1 0; 0 2 -1 -2 1 0; 0 4 0 -5 0 1]
+// G   = [1/4 0 0; -1/6 -1/6 -1/6; -1/6 1/6 -1/6; 1/24 1/12 1/6; 1/24 -1/12 1/6; 0 0 1]
+// A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 1]
+impl Variant for F4x3 {
+    const N: usize = 6;
+    const M: usize = 4;
+    const R: usize = 3;
+    #[inline(always)]
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (c4, c5, c2) = (S::splat(c(4.0)), S::splat(c(5.0)), S::splat(c(2.0)));
+        // Shared sums: x4 - 4 x2 and x3 - 4 x1, x4 - x2 and 2 (x3 - x1).
+        let (p, q) = (
+            S::fma(c4, S::zero().sub(x[2]), x[4]),
+            S::fma(c4, S::zero().sub(x[1]), x[3]),
+        );
+        let (r, t) = (x[4].sub(x[2]), c2.mul(x[3].sub(x[1])));
+        [
+            S::fma(c4, x[0], S::fma(c5, S::zero().sub(x[2]), x[4])),
+            p.add(q),
+            p.sub(q),
+            r.add(t),
+            r.sub(t),
+            S::fma(c4, x[1], S::fma(c5, S::zero().sub(x[3]), x[5])),
+        ]
+    }
+    #[inline(always)]
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        // Columns of B^T: the adjoint of `bt`.
+        let (c4, c5, c2) = (S::splat(c(4.0)), S::splat(c(5.0)), S::splat(c(2.0)));
+        let (s12, s34) = (x[1].add(x[2]), x[3].add(x[4]));
+        [
+            c4.mul(x[0]),
+            S::fma(c4, x[2].sub(x[1]).add(x[5]), c2.mul(x[4].sub(x[3]))),
+            S::zero().sub(S::fma(c5, x[0], S::fma(c4, s12, s34))),
+            S::fma(c2, x[3].sub(x[4]), x[1].sub(x[2])).sub(c5.mul(x[5])),
+            x[0].add(s12).add(s34),
+            x[5],
+        ]
+    }
+    #[inline(always)]
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let (c2, c4, c8) = (S::splat(c(2.0)), S::splat(c(4.0)), S::splat(c(8.0)));
+        let (s12, d12, s34, d34) = (
+            x[1].add(x[2]),
+            x[1].sub(x[2]),
+            x[3].add(x[4]),
+            x[3].sub(x[4]),
+        );
+        let z = S::zero();
+        [
+            x[0].add(s12).add(s34),
+            S::fma(c2, d34, d12),
+            S::fma(c4, s34, s12),
+            S::fma(c8, d34, d12).add(x[5]),
+            z,
+            z,
+        ]
+    }
+    #[inline(always)]
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
+        // Columns of A^T: the adjoint of `at`.
+        let (c2, c4, c8) = (S::splat(c(2.0)), S::splat(c(4.0)), S::splat(c(8.0)));
+        let (even, odd) = (S::fma(c4, y[2], y[0]), S::fma(c8, y[3], c2.mul(y[1])));
+        let (e1, o1) = (y[0].add(y[2]), y[1].add(y[3]));
+        [
+            y[0],
+            e1.add(o1),
+            e1.sub(o1),
+            even.add(odd),
+            even.sub(odd),
+            y[3],
+        ]
+    }
+    #[inline(always)]
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let k = |v: f64| S::splat(c(v));
+        let (s, d) = (x[0].add(x[2]), x[1]);
+        let (u, v) = (S::fma(k(4.0), x[2], x[0]), k(2.0).mul(x[1]));
+        [
+            x[0].mul(k(0.25)),
+            s.add(d).mul(k(-1.0 / 6.0)),
+            s.sub(d).mul(k(-1.0 / 6.0)),
+            u.add(v).mul(k(1.0 / 24.0)),
+            u.sub(v).mul(k(1.0 / 24.0)),
+            x[2],
+        ]
+    }
+    #[inline(always)]
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let k = |v: f64| S::splat(c(v));
+        let z = S::zero();
+        let (s12, d12, s34, d34) = (
+            x[1].add(x[2]),
+            x[1].sub(x[2]),
+            x[3].add(x[4]),
+            x[3].sub(x[4]),
+        );
+        [
+            S::fma(
+                s34,
+                k(1.0 / 24.0),
+                S::fma(s12, k(-1.0 / 6.0), x[0].mul(k(0.25))),
+            ),
+            S::fma(d34, k(1.0 / 12.0), d12.mul(k(-1.0 / 6.0))),
+            S::fma(s34.sub(s12), k(1.0 / 6.0), x[5]),
+            z,
+            z,
+            z,
+        ]
+    }
+}
+
+/// A constant in the element type.
+#[inline(always)]
+fn c<T: crate::element::Element>(x: f64) -> T {
+    T::from_f64(x)
+}
+
+/// Loads column `j` of a tile (`N` rows) as the 1-D transforms take it.
+#[inline(always)]
+unsafe fn column<V: Variant, S: Simd>(at: impl Fn(usize) -> *const S::Elem) -> [S; MAX] {
+    let mut x = [S::zero(); MAX];
+    for i in 0..V::N {
+        x[i] = S::load(at(i));
+    }
+    x
+}
+
+/// `B^T d B` of one vector of channels: `d[i][j]` at `x + i * row + j * col`; element
+/// `e = i * N + j` of the result is stored at `v + e * stride`.
 ///
 /// # Safety
 /// Every address read or written holds `S::LANES` elements.
@@ -177,16 +349,17 @@ pub unsafe fn input<V: Variant, S: Simd>(
     v: *mut S::Elem,
     stride: usize,
 ) {
-    let mut t = [[S::zero(); 4]; 4];
-    for j in 0..4 {
-        let c = V::bt([0, 1, 2, 3].map(|i| S::load(x.add(i * row + j * col))));
-        for i in 0..4 {
+    let mut t = [[S::zero(); MAX]; MAX];
+    for j in 0..V::N {
+        let c = V::bt(column::<V, S>(|i| x.add(i * row + j * col)));
+        for i in 0..V::N {
             t[i][j] = c[i];
         }
     }
-    for (i, ti) in t.into_iter().enumerate() {
-        for (j, r) in V::bt(ti).into_iter().enumerate() {
-            r.store(v.add((4 * i + j) * stride));
+    for i in 0..V::N {
+        let r = V::bt(t[i]);
+        for j in 0..V::N {
+            r[j].store(v.add((V::N * i + j) * stride));
         }
     }
 }
@@ -197,15 +370,15 @@ pub unsafe fn input<V: Variant, S: Simd>(
 /// # Safety
 /// Every address read holds `S::LANES` elements.
 #[inline(always)]
-pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [[S; 4]; 4] {
-    let mut t = [[S::zero(); 4]; 4];
-    for j in 0..4 {
-        let c = V::at([0, 1, 2, 3].map(|i| S::load(m.add((4 * i + j) * stride))));
+pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [[S; MAX]; MAX] {
+    let mut t = [[S::zero(); MAX]; MAX];
+    for j in 0..V::N {
+        let c = V::at(column::<V, S>(|i| m.add((V::N * i + j) * stride)));
         for i in 0..V::M {
             t[i][j] = c[i];
         }
     }
-    let mut y = [[S::zero(); 4]; 4];
+    let mut y = [[S::zero(); MAX]; MAX];
     for i in 0..V::M {
         y[i] = V::at(t[i]);
     }
@@ -218,17 +391,22 @@ pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [
 /// # Safety
 /// Every address written holds `S::LANES` elements.
 #[inline(always)]
-pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; 4]; 4], n: *mut S::Elem, stride: usize) {
-    let mut t = [[S::zero(); 4]; 4];
+pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; MAX]; MAX], n: *mut S::Elem, stride: usize) {
+    let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::M {
-        let c = V::a([dy[0][j], dy[1][j], dy[2][j], dy[3][j]]);
-        for i in 0..4 {
+        let mut x = [S::zero(); MAX];
+        for i in 0..V::M {
+            x[i] = dy[i][j];
+        }
+        let c = V::a(x);
+        for i in 0..V::N {
             t[i][j] = c[i];
         }
     }
-    for (i, ti) in t.into_iter().enumerate() {
-        for (j, r) in V::a(ti).into_iter().enumerate() {
-            r.store(n.add((4 * i + j) * stride));
+    for i in 0..V::N {
+        let r = V::a(t[i]);
+        for j in 0..V::N {
+            r[j].store(n.add((V::N * i + j) * stride));
         }
     }
 }
@@ -246,46 +424,66 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
     row: usize,
     col: usize,
 ) {
-    let mut t = [[S::zero(); 4]; 4];
-    for j in 0..4 {
-        let c = V::b([0, 1, 2, 3].map(|i| S::load(dv.add((4 * i + j) * stride))));
-        for i in 0..4 {
+    let mut t = [[S::zero(); MAX]; MAX];
+    for j in 0..V::N {
+        let c = V::b(column::<V, S>(|i| dv.add((V::N * i + j) * stride)));
+        for i in 0..V::N {
             t[i][j] = c[i];
         }
     }
-    for (i, ti) in t.into_iter().enumerate() {
-        for (j, r) in V::b(ti).into_iter().enumerate() {
+    for i in 0..V::N {
+        let r = V::b(t[i]);
+        for j in 0..V::N {
             let p = x.add(i * row + j * col);
-            S::load(p).add(r).store(p);
+            S::load(p).add(r[j]).store(p);
         }
     }
 }
 
-/// `G g G^T`: a kernel (`[kh][kw]`, the first `R` of each) in the transformed domain.
+/// `G g G^T`: a kernel (`[kh][kw]`, the first `R` of each) in the transformed domain
+/// (`[i][j]`, the first `N` of each), one vector of channel pairs (or one pair: `Lanes<_, 1>`).
+///
+/// # Safety
+/// As [`Simd::zero`].
 #[inline(always)]
-pub fn weight<V: Variant, T: Real>(g: [[T; 4]; 4]) -> [[T; 4]; 4] {
-    let mut t = [[T::zero(); 4]; 4];
+pub unsafe fn weight<V: Variant, S: Simd>(g: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
+    let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::R {
-        let c = V::g([g[0][j], g[1][j], g[2][j], g[3][j]]);
-        for i in 0..4 {
+        let mut x = [S::zero(); MAX];
+        for i in 0..V::R {
+            x[i] = g[i][j];
+        }
+        let c = V::g(x);
+        for i in 0..V::N {
             t[i][j] = c[i];
         }
     }
-    [V::g(t[0]), V::g(t[1]), V::g(t[2]), V::g(t[3])]
+    let mut u = [[S::zero(); MAX]; MAX];
+    for i in 0..V::N {
+        u[i] = V::g(t[i]);
+    }
+    u
 }
 
 /// `G^T du G`, the adjoint of [`weight`]: a transformed-domain gradient back to `[kh][kw]`
 /// (the first `R` of each).
+///
+/// # Safety
+/// As [`Simd::zero`].
 #[inline(always)]
-pub fn weight_gradient<V: Variant, T: Real>(du: [[T; 4]; 4]) -> [[T; 4]; 4] {
-    let mut t = [[T::zero(); 4]; 4];
-    for j in 0..4 {
-        let c = V::gt([du[0][j], du[1][j], du[2][j], du[3][j]]);
+pub unsafe fn weight_gradient<V: Variant, S: Simd>(du: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
+    let mut t = [[S::zero(); MAX]; MAX];
+    for j in 0..V::N {
+        let mut x = [S::zero(); MAX];
+        for i in 0..V::N {
+            x[i] = du[i][j];
+        }
+        let c = V::gt(x);
         for i in 0..V::R {
             t[i][j] = c[i];
         }
     }
-    let mut g = [[T::zero(); 4]; 4];
+    let mut g = [[S::zero(); MAX]; MAX];
     for i in 0..V::R {
         g[i] = V::gt(t[i]);
     }
@@ -295,10 +493,22 @@ pub fn weight_gradient<V: Variant, T: Real>(du: [[T; 4]; 4]) -> [[T; 4]; 4] {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::simd::PortableF64;
+    use crate::simd::{Lanes, PortableF64};
 
     type S = PortableF64;
     const L: usize = 4;
+    /// One channel pair: the weight transforms on single values.
+    type One = Lanes<f64, 1>;
+
+    fn one(x: f64) -> One {
+        unsafe { One::splat(x) }
+    }
+
+    fn scalar(x: One) -> f64 {
+        let mut t = [0.0];
+        unsafe { x.store(t.as_mut_ptr()) };
+        t[0]
+    }
 
     /// Deterministic values in [-1, 1).
     fn values(seed: u64, n: usize) -> Vec<f64> {
@@ -313,10 +523,6 @@ mod tests {
             .collect()
     }
 
-    fn close(a: f64, b: f64) -> bool {
-        (a - b).abs() <= 1e-12 * (1.0 + b.abs())
-    }
-
     fn lane(v: S, lane: usize) -> f64 {
         let mut tmp = [0.0; L];
         unsafe { v.store(tmp.as_mut_ptr()) };
@@ -325,14 +531,15 @@ mod tests {
 
     /// One channel pair per lane: a tile through the transforms against the direct sums, for
     /// the output, the weight gradient and the input gradient.
-    fn tile_matches_direct<V: Variant>() {
-        let (m, r) = (V::M, V::R);
-        let d = values(1, 16 * L);
+    fn tile_matches_direct<V: Variant>(tolerance: f64) {
+        let (n, m, r) = (V::N, V::M, V::R);
+        let close = |a: f64, b: f64| (a - b).abs() <= tolerance * (1.0 + b.abs());
+        let d = values(1, n * n * L);
         let g = values(2, r * r * L);
         let dy = values(3, m * m * L);
-        let mut v = vec![0.0; 16 * L];
-        let mut n = vec![0.0; 16 * L];
-        let dyv: [[S; 4]; 4] = std::array::from_fn(|i| {
+        let mut v = vec![0.0; n * n * L];
+        let mut nn = vec![0.0; n * n * L];
+        let dyv: [[S; MAX]; MAX] = std::array::from_fn(|i| {
             std::array::from_fn(|j| {
                 if i < m && j < m {
                     unsafe { S::load(dy[(i * m + j) * L..].as_ptr()) }
@@ -342,21 +549,21 @@ mod tests {
             })
         });
         unsafe {
-            input::<V, S>(d.as_ptr(), 4 * L, L, v.as_mut_ptr(), L);
-            gradient::<V, S>(dyv, n.as_mut_ptr(), L);
+            input::<V, S>(d.as_ptr(), n * L, L, v.as_mut_ptr(), L);
+            gradient::<V, S>(dyv, nn.as_mut_ptr(), L);
         }
         for ln in 0..L {
-            let di = |i: usize, j: usize| d[(i * 4 + j) * L + ln];
+            let di = |i: usize, j: usize| d[(i * n + j) * L + ln];
             let gi = |i: usize, j: usize| g[(i * r + j) * L + ln];
             let dyi = |i: usize, j: usize| dy[(i * m + j) * L + ln];
-            let gk: [[f64; 4]; 4] = std::array::from_fn(|i| {
-                std::array::from_fn(|j| if i < r && j < r { gi(i, j) } else { 0.0 })
+            let gk: [[One; MAX]; MAX] = std::array::from_fn(|i| {
+                std::array::from_fn(|j| one(if i < r && j < r { gi(i, j) } else { 0.0 }))
             });
-            let u = weight::<V, f64>(gk);
+            let u = unsafe { weight::<V, One>(gk) }.map(|row| row.map(scalar));
             // Output: A^T (U * V) A.
-            let mut mm = vec![0.0; 16 * L];
-            for e in 0..16 {
-                mm[e * L + ln] = u[e / 4][e % 4] * v[e * L + ln];
+            let mut mm = vec![0.0; n * n * L];
+            for e in 0..n * n {
+                mm[e * L + ln] = u[e / n][e % n] * v[e * L + ln];
             }
             let y = unsafe { output::<V, S>(mm.as_ptr(), L) };
             for i in 0..m {
@@ -368,10 +575,16 @@ mod tests {
                 }
             }
             // Weight gradient: G^T (V * N) G.
-            let du: [[f64; 4]; 4] = std::array::from_fn(|i| {
-                std::array::from_fn(|j| v[(i * 4 + j) * L + ln] * n[(i * 4 + j) * L + ln])
+            let du: [[One; MAX]; MAX] = std::array::from_fn(|i| {
+                std::array::from_fn(|j| {
+                    one(if i < n && j < n {
+                        v[(i * n + j) * L + ln] * nn[(i * n + j) * L + ln]
+                    } else {
+                        0.0
+                    })
+                })
             });
-            let dg = weight_gradient::<V, f64>(du);
+            let dg = unsafe { weight_gradient::<V, One>(du) }.map(|row| row.map(scalar));
             for kh in 0..r {
                 for kw in 0..r {
                     let direct: f64 = (0..m * m)
@@ -381,14 +594,14 @@ mod tests {
                 }
             }
             // Input gradient: B (U * N) B^T, added into the tile.
-            let mut dv = vec![0.0; 16 * L];
-            for e in 0..16 {
-                dv[e * L + ln] = u[e / 4][e % 4] * n[e * L + ln];
+            let mut dv = vec![0.0; n * n * L];
+            for e in 0..n * n {
+                dv[e * L + ln] = u[e / n][e % n] * nn[e * L + ln];
             }
-            let mut dd = vec![0.5; 16 * L];
-            unsafe { input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), 4 * L, L) };
-            for i in 0..4 {
-                for j in 0..4 {
+            let mut dd = vec![0.5; n * n * L];
+            unsafe { input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), n * L, L) };
+            for i in 0..n {
+                for j in 0..n {
                     let mut direct = 0.5;
                     for q in 0..m * m {
                         let (a, b) = (q / m, q % m);
@@ -396,7 +609,7 @@ mod tests {
                             direct += dyi(a, b) * gi(i - a, j - b);
                         }
                     }
-                    assert!(close(dd[(i * 4 + j) * L + ln], direct), "dd[{i}][{j}]");
+                    assert!(close(dd[(i * n + j) * L + ln], direct), "dd[{i}][{j}]");
                 }
             }
         }
@@ -404,11 +617,16 @@ mod tests {
 
     #[test]
     fn f2x3_matches_direct_convolution_and_its_gradients() {
-        tile_matches_direct::<F2x3>();
+        tile_matches_direct::<F2x3>(1e-12);
     }
 
     #[test]
     fn f3x2_matches_direct_convolution_and_its_gradients() {
-        tile_matches_direct::<F3x2>();
+        tile_matches_direct::<F3x2>(1e-12);
+    }
+
+    #[test]
+    fn f4x3_matches_direct_convolution_and_its_gradients() {
+        tile_matches_direct::<F4x3>(1e-12);
     }
 }

@@ -38,7 +38,9 @@ const TARGET_TILES: usize = 12;
 /// The Winograd algorithm a spec runs on.
 #[derive(Clone, Copy)]
 pub struct Plan {
-    /// Output tile size (the kernel is `5 - m`: 4x4 input tiles).
+    /// Input tile size.
+    n: usize,
+    /// Output tile size (the kernel is `n + 1 - m`).
     m: usize,
     /// Space-to-depth factor of the staged input (the layer's stride).
     sd: usize,
@@ -46,34 +48,54 @@ pub struct Plan {
     variant: &'static str,
 }
 
+impl Plan {
+    const F2X3: Plan = Plan {
+        n: 4,
+        m: 2,
+        sd: 1,
+        variant: "F2x3",
+    };
+    const F4X3: Plan = Plan {
+        n: 6,
+        m: 4,
+        sd: 1,
+        variant: "F4x3",
+    };
+    const F3X2: Plan = Plan {
+        n: 4,
+        m: 3,
+        sd: 2,
+        variant: "F3x2",
+    };
+
+    /// Direct multiplies over Winograd multiplies for the spec's output, the outputs of
+    /// ragged tiles computed for nothing counted.
+    fn gain(self, spec: &Spec) -> f64 {
+        let (oh, ow, m) = (spec.out_h(), spec.out_w(), self.m);
+        let r = self.n + 1 - m;
+        let direct = r * r * oh * ow;
+        let winograd = self.n * self.n * oh.div_ceil(m) * ow.div_ceil(m);
+        direct as f64 / winograd as f64
+    }
+}
+
 /// The spec's Winograd plan, if it runs on these kernels: f32, 3x3 stride 1 or 4x4 stride 2,
-/// channel counts (of the staged input) in whole vectors of at least two, and tiles that do
-/// not waste the saving on a ragged border.
+/// channel counts (of the staged input) in whole vectors of at least two, and at least 1.5x
+/// fewer multiplies than the direct kernel. Stride-1 layers take F(4x4, 3x3) where it saves
+/// 1.2x more than F(2x2, 3x3) (its transforms cost more, and its rounding error is larger).
 pub fn plan(spec: &Spec) -> Option<Plan> {
     let lanes = spec.dtype.lanes();
     let channels = |c: usize| c.is_multiple_of(lanes) && c >= 2 * lanes;
     let plan = match (spec.kernel, spec.stride) {
-        ([3, 3], [1, 1]) => Plan {
-            m: 2,
-            sd: 1,
-            variant: "F2x3",
-        },
-        ([4, 4], [2, 2]) => Plan {
-            m: 3,
-            sd: 2,
-            variant: "F3x2",
-        },
+        ([3, 3], [1, 1]) if Plan::F4X3.gain(spec) >= 1.2 * Plan::F2X3.gain(spec) => Plan::F4X3,
+        ([3, 3], [1, 1]) => Plan::F2X3,
+        ([4, 4], [2, 2]) => Plan::F3X2,
         _ => return None,
     };
-    let (oh, ow, m) = (spec.out_h(), spec.out_w(), plan.m);
-    // Multiplies saved (2.25x on whole tiles) less the outputs the last tiles compute for
-    // nothing: the direct kernel stays where the net gain is under 1.5x.
-    let covered = m * m * oh.div_ceil(m) * ow.div_ceil(m);
-    let gain = 2.25 * (oh * ow) as f64 / covered as f64;
     let fits = spec.dtype == Dtype::F32
         && channels(plan.sd * plan.sd * spec.in_c())
         && channels(spec.out_channels)
-        && gain >= 1.5;
+        && plan.gain(spec) >= 1.5;
     fits.then_some(plan)
 }
 
@@ -105,17 +127,18 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
     let wic = plan.sd * plan.sd * spec.in_c();
     let consts = usize_consts(&[
         ("WM", m),
-        ("WR", 5 - m),
+        ("WN", plan.n),
+        ("WR", plan.n + 1 - m),
         ("SD", plan.sd),
         ("WIC", wic),
         ("WTH", th),
         ("WTW", tw),
-        ("WH", m * th + 4 - m),
-        ("WW", m * tw + 4 - m),
+        ("WH", m * th + plan.n - m),
+        ("WW", m * tw + plan.n - m),
         ("WROWS", rows),
         ("WCT", (rows * tw).next_multiple_of(12)),
-        ("ELEMS", 16),
-        ("U_LEN", 16 * wic * spec.out_channels),
+        ("ELEMS", plan.n * plan.n),
+        ("U_LEN", plan.n * plan.n * wic * spec.out_channels),
     ]);
     let variant = format_ident!("{}", plan.variant);
     quote! {
@@ -200,9 +223,21 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// pixel `(h, w)` goes to `(h / SD, w / SD)`, channel block `(h % SD) * SD + w % SD`)
         /// inside a zero border that covers every tile.
         fn wino_stage<const __B: usize>(x: &[__T], xs: &mut [__A]) {
-            // Zeros where the input does not cover the staged image (the whole copy is written
-            // otherwise, as for the Atari network's second layer).
-            if PH + PW > 0 || IH != SD * WH || IW != SD * WW {
+            // Zeros where the input does not cover the staged image: the border rows and
+            // columns without space-to-depth, everything with it unless the input covers all
+            // of it (as for the Atari network's second layer).
+            if SD == 1 {
+                for n in 0..__B {
+                    let image = &mut xs[n * WH * WW * WIC..][..WH * WW * WIC];
+                    image[..PH * WW * WIC].fill(0.0);
+                    image[(PH + IH) * WW * WIC..].fill(0.0);
+                    for h in PH..PH + IH {
+                        let row = &mut image[h * WW * WIC..][..WW * WIC];
+                        row[..PW * WIC].fill(0.0);
+                        row[(PW + IW) * WIC..].fill(0.0);
+                    }
+                }
+            } else if PH + PW > 0 || IH != SD * WH || IW != SD * WW {
                 xs[..__B * WH * WW * WIC].fill(0.0);
             }
             for n in 0..__B {
@@ -270,32 +305,38 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             ((SD * a + dy) * KW + SD * b + dx) * IC + c
         }
 
-        /// The transformed weights `G g G^T` of every channel pair (staged channels), `L` pairs
-        /// at a time along output channels if `k_inner`, else along staged channels:
-        /// `put(e, k, c, values)` gets element `e` of the pairs `(k, c)` on. Rows of `L` are
-        /// what the packed copies hold contiguously; written one value at a time, the 16 planes
-        /// 16 KiB apart ran 8x slower.
+        /// The transformed weights `G g G^T` of every channel pair (staged channels), `L`
+        /// pairs at a time (one vector) along output channels if `k_inner`, else along staged
+        /// channels: `put(e, k, c, values)` gets element `e` of the pairs `(k, c)` on. Rows of
+        /// `L` are what the packed copies hold contiguously; written one value at a time, the
+        /// element planes 16 KiB apart ran 8x slower.
         fn wino_weights(w: &[__T], k_inner: bool, mut put: impl FnMut(usize, usize, usize, &[__A; L])) {
-            use #rt::Element as _;
+            use #rt::{Element as _, Simd as _};
+            type P = #rt::simd::Lanes<__A, L>;
+            const MAX: usize = #rt::winograd::MAX;
+            let pair = |outer: usize, inner: usize| if k_inner { (inner, outer) } else { (outer, inner) };
             for outer in 0..if k_inner { WIC } else { OC } {
                 for inner in (0..if k_inner { OC } else { WIC }).step_by(L) {
-                    let mut rows = [[0.0; L]; ELEMS];
-                    for i in 0..L {
-                        let (k, c) = if k_inner { (inner + i, outer) } else { (outer, inner + i) };
-                        let mut g = [[0.0; 4]; 4];
+                    // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
+                    // elements.
+                    unsafe {
+                        let mut g = [[P::zero(); MAX]; MAX];
                         for a in 0..WR {
                             for b in 0..WR {
-                                g[a][b] = w[k * WINDOW + wino_tap(a, b, c)].to_acc();
+                                let taps: [__A; L] = ::core::array::from_fn(|i| {
+                                    let (k, c) = pair(outer, inner + i);
+                                    w[k * WINDOW + wino_tap(a, b, c)].to_acc()
+                                });
+                                g[a][b] = P::load(taps.as_ptr());
                             }
                         }
-                        let u = #rt::winograd::weight::<WV, _>(g);
+                        let u = #rt::winograd::weight::<WV, P>(g);
+                        let (k, c) = pair(outer, inner);
                         for e in 0..ELEMS {
-                            rows[e][i] = u[e / 4][e % 4];
+                            let mut row = [0.0; L];
+                            u[e / WN][e % WN].store(row.as_mut_ptr());
+                            put(e, k, c, &row);
                         }
-                    }
-                    let (k, c) = if k_inner { (inner, outer) } else { (outer, inner) };
-                    for e in 0..ELEMS {
-                        put(e, k, c, &rows[e]);
                     }
                 }
             }
@@ -562,7 +603,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     let down = if OH - oh < WM { OH - oh } else { WM };
                     let right = if OW - ow < WM { OW - ow } else { WM };
                     for k in (0..OC).step_by(L) {
-                        let mut dy = [[S::zero(); 4]; 4];
+                        let mut dy = [[S::zero(); #rt::winograd::MAX]; #rt::winograd::MAX];
                         for r in 0..down {
                             for c in 0..right {
                                 dy[r][c] = S::load(base.add((r * OW + c) * OC + k));
@@ -661,17 +702,29 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         db[c] += px[c];
                     }
                 }
+                // `G^T dU G`, one vector of output channels at a time.
+                use #rt::Simd as _;
+                type P = #rt::simd::Lanes<__A, L>;
+                const MAX: usize = #rt::winograd::MAX;
                 let gw = g.weights.as_mut_slice();
                 for c in 0..WIC {
-                    for k in 0..OC {
-                        let mut dt = [[0.0; 4]; 4];
-                        for e in 0..ELEMS {
-                            dt[e / 4][e % 4] = du[e * WIC * OC + c * OC + k];
-                        }
-                        let dg = #rt::winograd::weight_gradient::<WV, _>(dt);
-                        for a in 0..WR {
-                            for b in 0..WR {
-                                gw[k * WINDOW + wino_tap(a, b, c)] += dg[a][b];
+                    for k in (0..OC).step_by(L) {
+                        // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
+                        // elements.
+                        unsafe {
+                            let mut dt = [[P::zero(); MAX]; MAX];
+                            for e in 0..ELEMS {
+                                dt[e / WN][e % WN] = P::load(du[e * WIC * OC + c * OC + k..][..L].as_ptr());
+                            }
+                            let dg = #rt::winograd::weight_gradient::<WV, P>(dt);
+                            for a in 0..WR {
+                                for b in 0..WR {
+                                    let mut values = [0.0; L];
+                                    dg[a][b].store(values.as_mut_ptr());
+                                    for (i, value) in values.into_iter().enumerate() {
+                                        gw[(k + i) * WINDOW + wino_tap(a, b, c)] += value;
+                                    }
+                                }
                             }
                         }
                     }
