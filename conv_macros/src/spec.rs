@@ -151,6 +151,38 @@ impl Spec {
     }
 }
 
+#[cfg(test)]
+impl Spec {
+    /// A square-kernel f32 ReLU spec for the expansion rules' unit tests.
+    pub fn for_tests(
+        input: [usize; 3],
+        out_channels: usize,
+        kernel: usize,
+        stride: usize,
+        padding: usize,
+        batch: usize,
+    ) -> Spec {
+        Spec {
+            attrs: Vec::new(),
+            vis: syn::Visibility::Inherited,
+            ident: syn::Ident::new("Layer", proc_macro2::Span::call_site()),
+            input,
+            out_channels,
+            kernel: [kernel, kernel],
+            stride: [stride, stride],
+            padding: [padding, padding],
+            activation: Activation::Relu,
+            norm: Norm::None,
+            batch,
+            dtype: Dtype::F32,
+            init: Init::KaimingUniform {
+                legacy: true,
+                scale: 1.0,
+            },
+        }
+    }
+}
+
 pub fn output_size(input: usize, padding: usize, kernel: usize, stride: usize) -> usize {
     (input + 2 * padding - kernel) / stride + 1
 }

@@ -1001,27 +1001,9 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::spec::Init;
 
     fn spec(input: [usize; 3], oc: usize, kernel: usize, stride: usize, batch: usize) -> Spec {
-        Spec {
-            attrs: Vec::new(),
-            vis: syn::Visibility::Inherited,
-            ident: syn::Ident::new("Layer", proc_macro2::Span::call_site()),
-            input,
-            out_channels: oc,
-            kernel: [kernel, kernel],
-            stride: [stride, stride],
-            padding: [0, 0],
-            activation: Activation::Relu,
-            norm: Norm::None,
-            batch,
-            dtype: Dtype::F32,
-            init: Init::KaimingUniform {
-                legacy: true,
-                scale: 1.0,
-            },
-        }
+        Spec::for_tests(input, oc, kernel, stride, 0, batch)
     }
 
     #[test]

@@ -753,3 +753,65 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn variant(spec: &Spec) -> Option<&'static str> {
+        plan(spec).map(|p| p.variant)
+    }
+
+    #[test]
+    fn plans_follow_the_multiplies_saved() {
+        // The benchmark's shapes: Atari layers 2 and 3, ResNet, and the direct ones.
+        let nature2 = Spec::for_tests([20, 20, 32], 64, 4, 2, 0, 32);
+        assert_eq!(variant(&nature2), Some("F3x2"));
+        assert!((Plan::F3X2.gain(&nature2) - 2.25).abs() < 1e-12);
+        let nature3 = Spec::for_tests([9, 9, 64], 64, 3, 1, 0, 32);
+        assert_eq!(variant(&nature3), Some("F4x3"));
+        assert_eq!(
+            variant(&Spec::for_tests([56, 56, 64], 64, 3, 1, 1, 8)),
+            Some("F4x3")
+        );
+        assert_eq!(
+            variant(&Spec::for_tests([84, 84, 4], 32, 8, 4, 0, 32)),
+            None
+        );
+        assert_eq!(
+            variant(&Spec::for_tests([16, 16, 16], 32, 3, 2, 1, 32)),
+            None
+        );
+        // 6x9 outputs: F(4x4, 3x3) saves only 1.11x more than F(2x2, 3x3).
+        let mut s = Spec::for_tests([6, 11, 24], 40, 3, 1, 0, 2);
+        s.padding = [1, 0];
+        assert_eq!(variant(&s), Some("F2x3"));
+        // Too few channels (the cifar stem), channels not in whole vectors, other types.
+        assert_eq!(
+            variant(&Spec::for_tests([32, 32, 3], 16, 3, 1, 1, 32)),
+            None
+        );
+        assert_eq!(
+            variant(&Spec::for_tests([16, 16, 12], 16, 3, 1, 1, 32)),
+            None
+        );
+        assert_eq!(
+            variant(&Spec::for_tests([16, 16, 16], 12, 3, 1, 1, 32)),
+            None
+        );
+        let mut f64_spec = nature3;
+        f64_spec.dtype = Dtype::F64;
+        assert_eq!(variant(&f64_spec), None);
+        // A 3x3 output is one 4x4 tile (2.25x); a 1x1 output wastes the saving.
+        assert_eq!(
+            variant(&Spec::for_tests([5, 5, 16], 16, 3, 1, 0, 32)),
+            Some("F4x3")
+        );
+        assert_eq!(variant(&Spec::for_tests([3, 3, 16], 16, 3, 1, 0, 32)), None);
+        // Space-to-depth: 4 input channels make 16 staged ones.
+        assert_eq!(
+            variant(&Spec::for_tests([20, 20, 4], 16, 4, 2, 0, 1)),
+            Some("F3x2")
+        );
+    }
+}
