@@ -1,12 +1,13 @@
-//! Generated Winograd CPU code for f32 layers with enough channels: F(2x2, 3x3) for stride-1
-//! 3x3 layers, and F(3x3, 2x2) for stride-2 4x4 layers (the Atari network's second layer),
-//! which are 2x2 stride-1 convolutions of the input rearranged space-to-depth (each 2x2 block
-//! of pixels one pixel of 4x the channels). Either way 16 multiplies per output tile and
-//! channel pair where the direct convolution does 36.
+//! Generated Winograd CPU code for layers with enough channels, f32 or half precision (computed
+//! in f32): F(2x2, 3x3) or F(4x4, 3x3) for stride-1 3x3 layers, and F(3x3, 2x2) for stride-2
+//! 4x4 layers (the Atari network's second layer), which are 2x2 stride-1 convolutions of the
+//! input rearranged space-to-depth (each 2x2 block of pixels one pixel of 4x the channels).
+//! Per output tile and channel pair, `WN * WN` multiplies (16 or 36) where the direct
+//! convolution does 36 or 144.
 //!
 //! The batch's output is cut into `WM x WM` tiles, taken a chunk of whole tile rows at a time (so
 //! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
-//! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::input`), 16 products
+//! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::input`), `WN * WN` products
 //!   `M[e] = V[e] . U[e]` with the register-blocked tiles of [`super::kernel`], then bias,
 //!   ReLU and the output tiles (`winograd::output`). `U[e][block][ic][lanes]` (`G g G^T`) is
 //!   packed once per parameter change like the direct kernel's weights;
@@ -79,7 +80,8 @@ impl Plan {
     }
 }
 
-/// The spec's Winograd plan, if it runs on these kernels: f32, 3x3 stride 1 or 4x4 stride 2,
+/// The spec's Winograd plan, if it runs on these kernels: f32 (or a half type, computed in
+/// f32; f64 layers keep the direct sums), 3x3 stride 1 or 4x4 stride 2,
 /// channel counts (of the staged input) in whole vectors of at least two, and at least 1.5x
 /// fewer multiplies than the direct kernel. Stride-1 layers take F(4x4, 3x3) where it saves
 /// 1.2x more than F(2x2, 3x3) (its transforms cost more, and its rounding error is larger).
@@ -92,7 +94,7 @@ pub fn plan(spec: &Spec) -> Option<Plan> {
         ([4, 4], [2, 2]) => Plan::F3X2,
         _ => return None,
     };
-    let fits = spec.dtype == Dtype::F32
+    let fits = spec.dtype != Dtype::F64
         && channels(plan.sd * plan.sd * spec.in_c())
         && channels(spec.out_channels)
         && plan.gain(spec) >= 1.5;
@@ -738,14 +740,16 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         let (h2, dy) = ((h + PH) / SD, (h + PH) % SD);
                         if SD == 1 {
                             let src = &dx[((img * WH + h2) * WW + PW) * IC..][..IW * IC];
-                            d_input[(img * IH + h) * IW * IC..][..IW * IC].copy_from_slice(src);
+                            let dst = &mut d_input[(img * IH + h) * IW * IC..][..IW * IC];
+                            <__T as #rt::Element>::from_acc_slice(src, dst);
                             continue;
                         }
                         for w in 0..IW {
                             let (w2, dx_) = ((w + PW) / SD, (w + PW) % SD);
                             let block = (dy * SD + dx_) * IC;
                             let src = &dx[((img * WH + h2) * WW + w2) * WIC + block..][..IC];
-                            d_input[((img * IH + h) * IW + w) * IC..][..IC].copy_from_slice(src);
+                            let dst = &mut d_input[((img * IH + h) * IW + w) * IC..][..IC];
+                            <__T as #rt::Element>::from_acc_slice(src, dst);
                         }
                     }
                 }
