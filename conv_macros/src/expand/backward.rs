@@ -472,12 +472,6 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
 /// weight and input gradients that were asked for.
 fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     let rt = rt();
-    let Names {
-        layer,
-        grads,
-        state,
-        ..
-    } = Names::of(spec);
     let input = if staged(spec) {
         quote! {
             stage::<BATCH>(x, x_scratch);
@@ -492,18 +486,10 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
         run,
         ..
     } = path;
-    quote! {
-        #[allow(clippy::too_many_arguments)]
-        fn backward_pass(
-            cpu: &mut #rt::Cpu,
-            layer: &#layer,
-            state: &#state,
-            x: &[__T],
-            d_output: &[__T],
-            d_input: ::core::option::Option<&mut [__T]>,
-            mut grads: ::core::option::Option<&mut #grads>,
-            mode: #rt::Mode,
-        ) {
+    let bias = bias_gradient();
+    pass_fn(
+        spec,
+        quote! {
             let (data, weights) = (d_input.is_some(), grads.is_some());
             let (key, packed_len) = if data {
                 let stamps = [layer.weights.stamp(), 0];
@@ -539,12 +525,7 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
 
             if let ::core::option::Option::Some(g) = grads {
                 #input
-                let db = g.biases.as_mut_slice();
-                for px in dz[..BATCH * NPIX * OC].chunks_exact(OC) {
-                    for c in 0..OC {
-                        db[c] += px[c];
-                    }
-                }
+                #bias
                 // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
                 unsafe { weight_tiles(xa, dz, dw) };
                 let gw = g.weights.as_mut_slice();
@@ -557,6 +538,46 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
 
             if let ::core::option::Option::Some(d_input) = d_input {
                 #run
+            }
+        },
+    )
+}
+
+/// `backward_pass(cpu, layer, state, x, d_output, d_input, grads, mode)` with `body`: the one
+/// signature the direct and Winograd backward passes share.
+pub fn pass_fn(spec: &Spec, body: TokenStream) -> TokenStream {
+    let rt = rt();
+    let Names {
+        layer,
+        grads,
+        state,
+        ..
+    } = Names::of(spec);
+    quote! {
+        #[allow(clippy::too_many_arguments)]
+        fn backward_pass(
+            cpu: &mut #rt::Cpu,
+            layer: &#layer,
+            state: &#state,
+            x: &[__T],
+            d_output: &[__T],
+            d_input: ::core::option::Option<&mut [__T]>,
+            mut grads: ::core::option::Option<&mut #grads>,
+            mode: #rt::Mode,
+        ) {
+            #body
+        }
+    }
+}
+
+/// Adds the output gradient `dz` (`BATCH * NPIX * OC` first elements) summed over pixels into
+/// the bias gradient of `g`.
+pub fn bias_gradient() -> TokenStream {
+    quote! {
+        let db = g.biases.as_mut_slice();
+        for px in dz[..BATCH * NPIX * OC].chunks_exact(OC) {
+            for c in 0..OC {
+                db[c] += px[c];
             }
         }
     }

@@ -26,7 +26,7 @@ use quote::{format_ident, quote};
 
 use super::cpu::layout_id;
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{lit, rt, usize_consts, Names};
+use super::{lit, rt, usize_consts};
 use crate::spec::{Dtype, Spec};
 
 /// Tiles per chunk at most, and the size aimed at. Small chunks keep the chunk's transforms
@@ -556,12 +556,6 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
 /// `backward_pass` with the Winograd kernels (the same signature as the direct one's).
 pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let rt = rt();
-    let Names {
-        layer,
-        grads,
-        state,
-        ..
-    } = Names::of(spec);
     let (oc_blk, ic_blk) = (
         Blocking::new(spec.dtype, spec.out_channels),
         Blocking::new(spec.dtype, plan.sd * plan.sd * spec.in_c()),
@@ -633,7 +627,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             }
         },
     );
-    quote! {
+    let items = quote! {
         /// OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's
         /// order.
         fn pack_wino_data(w: &[__T], out: &mut [__A]) {
@@ -648,18 +642,11 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         #data_product
         #weight_product
         #(#wtiles)*
-
-        #[allow(clippy::too_many_arguments)]
-        fn backward_pass(
-            cpu: &mut #rt::Cpu,
-            layer: &#layer,
-            state: &#state,
-            x: &[__T],
-            d_output: &[__T],
-            d_input: ::core::option::Option<&mut [__T]>,
-            mut grads: ::core::option::Option<&mut #grads>,
-            mode: #rt::Mode,
-        ) {
+    };
+    let bias = super::backward::bias_gradient();
+    let pass = super::backward::pass_fn(
+        spec,
+        quote! {
             let (data, weights) = (d_input.is_some(), grads.is_some());
             let key = if data {
                 #rt::PackKey { stamps: [layer.weights.stamp(), 0], layout: #layout }
@@ -698,12 +685,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             unsafe { wino_backward_tiles(xs, dz, packed, v, n, du, dx) };
 
             if let ::core::option::Option::Some(g) = grads {
-                let db = g.biases.as_mut_slice();
-                for px in dz.chunks_exact(OC) {
-                    for c in 0..OC {
-                        db[c] += px[c];
-                    }
-                }
+                #bias
                 // `G^T dU G`, one vector of output channels at a time.
                 use #rt::Simd as _;
                 type P = #rt::simd::Lanes<__A, L>;
@@ -754,8 +736,9 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     }
                 }
             }
-        }
-    }
+        },
+    );
+    quote!(#items #pass)
 }
 
 #[cfg(test)]
