@@ -392,21 +392,10 @@ pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [
 /// Every address written holds `S::LANES` elements.
 #[inline(always)]
 pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; MAX]; MAX], n: *mut S::Elem, stride: usize) {
-    let mut t = [[S::zero(); MAX]; MAX];
-    for j in 0..V::M {
-        let mut x = [S::zero(); MAX];
-        for i in 0..V::M {
-            x[i] = dy[i][j];
-        }
-        let c = V::a(x);
-        for i in 0..V::N {
-            t[i][j] = c[i];
-        }
-    }
+    let t = separable(dy, V::M, V::N, |x| unsafe { V::a(x) });
     for i in 0..V::N {
-        let r = V::a(t[i]);
         for j in 0..V::N {
-            r[j].store(n.add((V::N * i + j) * stride));
+            t[i][j].store(n.add((V::N * i + j) * stride));
         }
     }
 }
@@ -440,6 +429,32 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
     }
 }
 
+/// `F x F^T` for a 1-D transform `f` from `n` entries to `m`: along the columns, then the rows.
+#[inline(always)]
+unsafe fn separable<S: Simd>(
+    x: [[S; MAX]; MAX],
+    n: usize,
+    m: usize,
+    f: impl Fn([S; MAX]) -> [S; MAX],
+) -> [[S; MAX]; MAX] {
+    let mut t = [[S::zero(); MAX]; MAX];
+    for j in 0..n {
+        let mut column = [S::zero(); MAX];
+        for i in 0..n {
+            column[i] = x[i][j];
+        }
+        let c = f(column);
+        for i in 0..m {
+            t[i][j] = c[i];
+        }
+    }
+    let mut y = [[S::zero(); MAX]; MAX];
+    for i in 0..m {
+        y[i] = f(t[i]);
+    }
+    y
+}
+
 /// `G g G^T`: a kernel (`[kh][kw]`, the first `R` of each) in the transformed domain
 /// (`[i][j]`, the first `N` of each), one vector of channel pairs (or one pair: `Lanes<_, 1>`).
 ///
@@ -447,22 +462,7 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
 /// As [`Simd::zero`].
 #[inline(always)]
 pub unsafe fn weight<V: Variant, S: Simd>(g: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
-    let mut t = [[S::zero(); MAX]; MAX];
-    for j in 0..V::R {
-        let mut x = [S::zero(); MAX];
-        for i in 0..V::R {
-            x[i] = g[i][j];
-        }
-        let c = V::g(x);
-        for i in 0..V::N {
-            t[i][j] = c[i];
-        }
-    }
-    let mut u = [[S::zero(); MAX]; MAX];
-    for i in 0..V::N {
-        u[i] = V::g(t[i]);
-    }
-    u
+    separable(g, V::R, V::N, |x| unsafe { V::g(x) })
 }
 
 /// `G^T du G`, the adjoint of [`weight`]: a transformed-domain gradient back to `[kh][kw]`
@@ -472,22 +472,7 @@ pub unsafe fn weight<V: Variant, S: Simd>(g: [[S; MAX]; MAX]) -> [[S; MAX]; MAX]
 /// As [`Simd::zero`].
 #[inline(always)]
 pub unsafe fn weight_gradient<V: Variant, S: Simd>(du: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
-    let mut t = [[S::zero(); MAX]; MAX];
-    for j in 0..V::N {
-        let mut x = [S::zero(); MAX];
-        for i in 0..V::N {
-            x[i] = du[i][j];
-        }
-        let c = V::gt(x);
-        for i in 0..V::R {
-            t[i][j] = c[i];
-        }
-    }
-    let mut g = [[S::zero(); MAX]; MAX];
-    for i in 0..V::R {
-        g[i] = V::gt(t[i]);
-    }
-    g
+    separable(du, V::N, V::R, |x| unsafe { V::gt(x) })
 }
 
 #[cfg(test)]
