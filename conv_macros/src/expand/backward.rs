@@ -574,11 +574,15 @@ pub fn pass_fn(spec: &Spec, body: TokenStream) -> TokenStream {
 /// the bias gradient of `g`.
 pub fn bias_gradient() -> TokenStream {
     quote! {
-        let db = g.biases.as_mut_slice();
+        // Summed in a local copy (same order): stores through the gradient's slice may alias
+        // `dz` for all the compiler knows, which kept the loop scalar.
+        let db = &mut g.biases.as_mut_slice()[..OC];
+        let mut sum: [_; OC] = ::core::array::from_fn(|c| db[c]);
         for px in dz[..BATCH * NPIX * OC].chunks_exact(OC) {
             for c in 0..OC {
-                db[c] += px[c];
+                sum[c] += px[c];
             }
         }
+        db.copy_from_slice(&sum);
     }
 }
