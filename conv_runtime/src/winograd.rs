@@ -1,9 +1,9 @@
 //! Winograd convolution: the tile transforms of the generated F(2x2, 3x3) and F(4x4, 3x3)
-//! (stride-1 3x3 layers) and F(3x3, 2x2) (stride-2 4x4 layers, as 2x2 convolutions of the
-//! space-to-depth input) kernels.
+//! (stride-1 3x3 layers), F(2x2, 3x3) at stride 2 (stride-2 3x3 layers) and F(3x3, 2x2)
+//! (stride-2 4x4 layers, as 2x2 convolutions of the space-to-depth input) kernels.
 //!
 //! An `m x m` output tile of an `r x r` kernel `g` over an `n x n` input tile `d`
-//! (`n = m + r - 1`) is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: `n^2`
+//! (`n = m + r - 1`, or `2 (m - 1) + r` at stride 2) is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: `n^2`
 //! multiplies per tile and channel pair instead of `m^2 r^2` (16 for 36, 36 for 144). Summed over
 //! input channels, the `n^2` element-wise products become matrix products (tiles x input channels times input channels x output channels), which the
 //! generated code runs with its register-blocked kernels. These are the transforms around them,
@@ -12,8 +12,8 @@
 //! - weights: `dg = G^T [sum over tiles (B^T d B) * (A dY A^T)] G`;
 //! - input: `dd = B [(G g G^T) * (A dY A^T)] B^T`, added into the overlapping input tiles.
 //!
-//! F(2x2, 3x3) and F(3x3, 2x2) only add and subtract (the halves of `G` are applied once, to
-//! the weights), so their rounding differs from the direct sum by a few units in the last
+//! F(2x2, 3x3), its stride-2 form and F(3x3, 2x2) only add and subtract (the halves of `G` are
+//! applied once, to the weights), so their rounding differs from the direct sum by a few units in the last
 //! place; F(4x4, 3x3) also scales by 2, 4, 5 and 8, and its error is larger (the generated
 //! layers' tests hold it to the direct kernels' tolerance). Tiles and kernels are `[S; 6]` /
 //! `[T; 6]` arrays whatever `n`, `m` and `r`; entries past them are unused.
@@ -35,6 +35,9 @@ pub trait Variant {
     const M: usize;
     /// Kernel size.
     const R: usize;
+    /// The convolution's stride inside a tile: input tiles (`N = STRIDE * (M - 1) + R`) start
+    /// `STRIDE * M` apart.
+    const STRIDE: usize = 1;
     /// `B^T x`.
     /// # Safety
     /// As [`Simd::zero`].
@@ -70,62 +73,58 @@ pub struct F3x2;
 /// F(4x4, 3x3), interpolation points 0, 1, -1, 2, -2 and infinity.
 pub struct F4x3;
 
+/// F(2x2, 3x3) at stride 2, per axis the odd taps (kernel taps 0 and 2 over the tile's even
+/// inputs) as F(2, 2) (points 0, -1 and infinity, additions only) and the middle tap (over the
+/// odd inputs) as it is: `5 x 5` multiplies for 4 outputs where the direct sum does 36.
+pub struct F2x3S2;
+
+/// F(4x4, 3x3) at stride 2: as [`F2x3S2`] with F(4, 2) (points 0, 1, -1, 2 and infinity) for
+/// the odd taps: `9 x 9` multiplies for 16 outputs where the direct sum does 144.
+pub struct F4x3S2;
+
 impl Variant for F2x3 {
     const N: usize = 4;
     const M: usize = 2;
     const R: usize = 3;
     #[inline(always)]
     unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
+        pad([
             x[0].sub(x[2]),
             x[1].add(x[2]),
             x[2].sub(x[1]),
             x[1].sub(x[3]),
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let z = S::zero();
-        [
+        pad([
             x[0],
             x[1].sub(x[2]).add(x[3]),
             x[1].add(x[2]).sub(x[0]),
             z.sub(x[3]),
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
-            x[0].add(x[1]).add(x[2]),
-            x[1].sub(x[2]).sub(x[3]),
-            z,
-            z,
-            z,
-            z,
-        ]
+        pad([x[0].add(x[1]).add(x[2]), x[1].sub(x[2]).sub(x[3])])
     }
     #[inline(always)]
     unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
         let z = S::zero();
-        [y[0], y[0].add(y[1]), y[0].sub(y[1]), z.sub(y[1]), z, z]
+        pad([y[0], y[0].add(y[1]), y[0].sub(y[1]), z.sub(y[1])])
     }
     #[inline(always)]
     unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let (h, z) = (S::splat(c(0.5)), S::zero());
+        let h = S::splat(c(0.5));
         let s = x[0].add(x[2]);
-        [x[0], s.add(x[1]).mul(h), s.sub(x[1]).mul(h), x[2], z, z]
+        pad([x[0], s.add(x[1]).mul(h), s.sub(x[1]).mul(h), x[2]])
     }
     #[inline(always)]
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let (h, z) = (S::splat(c(0.5)), S::zero());
+        let h = S::splat(c(0.5));
         let s = x[1].add(x[2]).mul(h);
-        [x[0].add(s), x[1].sub(x[2]).mul(h), s.add(x[3]), z, z, z]
+        pad([x[0].add(s), x[1].sub(x[2]).mul(h), s.add(x[3])])
     }
 }
 
@@ -135,75 +134,51 @@ impl Variant for F3x2 {
     const R: usize = 2;
     #[inline(always)]
     unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
+        pad([
             x[0].sub(x[2]),
             x[1].add(x[2]),
             x[2].sub(x[1]),
             x[3].sub(x[1]),
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
+        pad([
             x[0],
             x[1].sub(x[2]).sub(x[3]),
             x[1].add(x[2]).sub(x[0]),
             x[3],
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
+        pad([
             x[0].add(x[1]).add(x[2]),
             x[1].sub(x[2]),
             x[1].add(x[2]).add(x[3]),
-            z,
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
-        let z = S::zero();
-        [
+        pad([
             y[0],
             y[0].add(y[1]).add(y[2]),
             y[0].sub(y[1]).add(y[2]),
             y[2],
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let (h, z) = (S::splat(c(0.5)), S::zero());
-        [
-            x[0],
-            x[0].add(x[1]).mul(h),
-            x[0].sub(x[1]).mul(h),
-            x[1],
-            z,
-            z,
-        ]
+        let h = S::splat(c(0.5));
+        pad([x[0], x[0].add(x[1]).mul(h), x[0].sub(x[1]).mul(h), x[1]])
     }
     #[inline(always)]
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
-        let (h, z) = (S::splat(c(0.5)), S::zero());
-        [
+        let h = S::splat(c(0.5));
+        pad([
             x[0].add(x[1].add(x[2]).mul(h)),
             x[1].sub(x[2]).mul(h).add(x[3]),
-            z,
-            z,
-            z,
-            z,
-        ]
+        ])
     }
 }
 
@@ -224,28 +199,28 @@ impl Variant for F4x3 {
             S::fma(c4, S::zero().sub(x[1]), x[3]),
         );
         let (r, t) = (x[4].sub(x[2]), c2.mul(x[3].sub(x[1])));
-        [
+        pad([
             S::fma(c4, x[0], S::fma(c5, S::zero().sub(x[2]), x[4])),
             p.add(q),
             p.sub(q),
             r.add(t),
             r.sub(t),
             S::fma(c4, x[1], S::fma(c5, S::zero().sub(x[3]), x[5])),
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         // Columns of B^T: the adjoint of `bt`.
         let (c4, c5, c2) = (S::splat(c(4.0)), S::splat(c(5.0)), S::splat(c(2.0)));
         let (s12, s34) = (x[1].add(x[2]), x[3].add(x[4]));
-        [
+        pad([
             c4.mul(x[0]),
             S::fma(c4, x[2].sub(x[1]).add(x[5]), c2.mul(x[4].sub(x[3]))),
             S::zero().sub(S::fma(c5, x[0], S::fma(c4, s12, s34))),
             S::fma(c2, x[3].sub(x[4]), x[1].sub(x[2])).sub(c5.mul(x[5])),
             x[0].add(s12).add(s34),
             x[5],
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
@@ -256,15 +231,12 @@ impl Variant for F4x3 {
             x[3].add(x[4]),
             x[3].sub(x[4]),
         );
-        let z = S::zero();
-        [
+        pad([
             x[0].add(s12).add(s34),
             S::fma(c2, d34, d12),
             S::fma(c4, s34, s12),
             S::fma(c8, d34, d12).add(x[5]),
-            z,
-            z,
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
@@ -272,40 +244,39 @@ impl Variant for F4x3 {
         let (c2, c4, c8) = (S::splat(c(2.0)), S::splat(c(4.0)), S::splat(c(8.0)));
         let (even, odd) = (S::fma(c4, y[2], y[0]), S::fma(c8, y[3], c2.mul(y[1])));
         let (e1, o1) = (y[0].add(y[2]), y[1].add(y[3]));
-        [
+        pad([
             y[0],
             e1.add(o1),
             e1.sub(o1),
             even.add(odd),
             even.sub(odd),
             y[3],
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let k = |v: f64| S::splat(c(v));
         let (s, d) = (x[0].add(x[2]), x[1]);
         let (u, v) = (S::fma(k(4.0), x[2], x[0]), k(2.0).mul(x[1]));
-        [
+        pad([
             x[0].mul(k(0.25)),
             s.add(d).mul(k(-1.0 / 6.0)),
             s.sub(d).mul(k(-1.0 / 6.0)),
             u.add(v).mul(k(1.0 / 24.0)),
             u.sub(v).mul(k(1.0 / 24.0)),
             x[2],
-        ]
+        ])
     }
     #[inline(always)]
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let k = |v: f64| S::splat(c(v));
-        let z = S::zero();
         let (s12, d12, s34, d34) = (
             x[1].add(x[2]),
             x[1].sub(x[2]),
             x[3].add(x[4]),
             x[3].sub(x[4]),
         );
-        [
+        pad([
             S::fma(
                 s34,
                 k(1.0 / 24.0),
@@ -313,11 +284,48 @@ impl Variant for F4x3 {
             ),
             S::fma(d34, k(1.0 / 12.0), d12.mul(k(-1.0 / 6.0))),
             S::fma(s34.sub(s12), k(1.0 / 6.0), x[5]),
-            z,
-            z,
-            z,
-        ]
+        ])
     }
+}
+
+// F(2, 2) of the odd taps: B^T = [1 -1 0; 0 1 0; 0 -1 1], G = [1 0; 1 1; 0 1], A^T = [1 1 0; 0 1 1].
+// Entries 0..3 are its points, 3..5 the middle tap's two outputs.
+impl Variant for F2x3S2 {
+    const N: usize = 5;
+    const M: usize = 2;
+    const R: usize = 3;
+    const STRIDE: usize = 2;
+    #[inline(always)]
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        pad([x[0].sub(x[2]), x[2], x[4].sub(x[2]), x[1], x[3]])
+    }
+    #[inline(always)]
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        pad([x[0], x[3], x[1].sub(x[0]).sub(x[2]), x[4], x[2]])
+    }
+    #[inline(always)]
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        pad([x[0].add(x[1]).add(x[3]), x[1].add(x[2]).add(x[4])])
+    }
+    #[inline(always)]
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
+        pad([y[0], y[0].add(y[1]), y[1], y[0], y[1]])
+    }
+    #[inline(always)]
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        pad([x[0], x[0].add(x[2]), x[2], x[1], x[1]])
+    }
+    #[inline(always)]
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        pad([x[0].add(x[1]), x[3].add(x[4]), x[1].add(x[2])])
+    }
+}
+
+/// `x` followed by zeros.
+#[inline(always)]
+fn pad<S: Simd, const K: usize>(x: [S; K]) -> [S; MAX] {
+    // SAFETY: a zero vector needs no CPU feature beyond the ones `x` was computed with.
+    core::array::from_fn(|i| if i < K { x[i] } else { unsafe { S::zero() } })
 }
 
 /// A constant in the element type.
@@ -517,7 +525,8 @@ mod tests {
     /// One channel pair per lane: a tile through the transforms against the direct sums, for
     /// the output, the weight gradient and the input gradient.
     fn tile_matches_direct<V: Variant>(tolerance: f64) {
-        let (n, m, r) = (V::N, V::M, V::R);
+        let (n, m, r, st) = (V::N, V::M, V::R, V::STRIDE);
+        assert_eq!(n, st * (m - 1) + r);
         let close = |a: f64, b: f64| (a - b).abs() <= tolerance * (1.0 + b.abs());
         let d = values(1, n * n * L);
         let g = values(2, r * r * L);
@@ -554,7 +563,7 @@ mod tests {
             for i in 0..m {
                 for j in 0..m {
                     let direct: f64 = (0..r * r)
-                        .map(|k| gi(k / r, k % r) * di(i + k / r, j + k % r))
+                        .map(|k| gi(k / r, k % r) * di(st * i + k / r, st * j + k % r))
                         .sum();
                     assert!(close(lane(y[i][j], ln), direct), "y[{i}][{j}]");
                 }
@@ -573,7 +582,7 @@ mod tests {
             for kh in 0..r {
                 for kw in 0..r {
                     let direct: f64 = (0..m * m)
-                        .map(|q| dyi(q / m, q % m) * di(q / m + kh, q % m + kw))
+                        .map(|q| dyi(q / m, q % m) * di(st * (q / m) + kh, st * (q % m) + kw))
                         .sum();
                     assert!(close(dg[kh][kw], direct), "dg[{kh}][{kw}]");
                 }
@@ -590,8 +599,9 @@ mod tests {
                     let mut direct = 0.5;
                     for q in 0..m * m {
                         let (a, b) = (q / m, q % m);
-                        if (a..a + r).contains(&i) && (b..b + r).contains(&j) {
-                            direct += dyi(a, b) * gi(i - a, j - b);
+                        let (i0, j0) = (st * a, st * b);
+                        if (i0..i0 + r).contains(&i) && (j0..j0 + r).contains(&j) {
+                            direct += dyi(a, b) * gi(i - i0, j - j0);
                         }
                     }
                     assert!(close(dd[(i * n + j) * L + ln], direct), "dd[{i}][{j}]");
@@ -613,5 +623,10 @@ mod tests {
     #[test]
     fn f4x3_matches_direct_convolution_and_its_gradients() {
         tile_matches_direct::<F4x3>(1e-12);
+    }
+
+    #[test]
+    fn f2x3_stride_2_matches_direct_convolution_and_its_gradients() {
+        tile_matches_direct::<F2x3S2>(1e-12);
     }
 }

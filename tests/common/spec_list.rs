@@ -103,6 +103,12 @@ macro_rules! for_each_spec {
         // vectors of output channels. atari_conv2 is the unpadded case.
         $m!($($pre)* wino_s2_pad, input: [16, 14, 8], out_channels: 24, kernel: 4, stride: 2,
             padding: 1, activation: Sigmoid, batch: 2, dtype: f32);
+        // Stride-2 3x3 (F(2x2, 3x3) at stride 2): padded, and unpadded with an input row no
+        // output reads.
+        $m!($($pre)* wino_s2_k3_pad, input: [16, 16, 16], out_channels: 32, kernel: 3, stride: 2,
+            padding: 1, activation: Relu, batch: 2, dtype: f32);
+        $m!($($pre)* wino_s2_k3_clip, input: [18, 17, 16], out_channels: 24, kernel: 3, stride: 2,
+            padding: 0, activation: Tanh, batch: 3, dtype: f32);
 
         // Kernels and paddings at the edges.
         $m!($($pre)* ic1_k8_output_1x1, input: [8, 8, 1], out_channels: 12, kernel: 8, stride: 1,
