@@ -26,7 +26,34 @@ pub struct PackKey {
 struct Packed {
     key: PackKey,
     last_use: u64,
+    /// A `Vec<A>` holding the packed values from its first cache-line boundary on.
     data: Box<dyn Any + Send>,
+    len: usize,
+}
+
+/// Bytes the packed copies and the scratch memory are aligned to: a cache line, so that no
+/// vector load of the kernels splits one (the allocator gives 16, and the kernels' 32-byte loads
+/// from such buffers ran about 10% slower).
+const ALIGN: usize = 64;
+
+/// `len` elements of `v` from its first `ALIGN`-byte boundary on, growing it as needed.
+fn aligned<A: CpuScalar>(v: &mut Vec<A>, len: usize) -> &mut [A] {
+    let extra = ALIGN / std::mem::size_of::<A>();
+    if v.len() < len + extra {
+        v.resize(len + extra, A::zero());
+    }
+    let offset = aligned_offset(v);
+    &mut v[offset..offset + len]
+}
+
+/// Where `v`'s first `ALIGN`-byte boundary is (0 where the allocation cannot reach one).
+fn aligned_offset<A>(v: &[A]) -> usize {
+    let offset = v.as_ptr().align_offset(ALIGN);
+    if offset < ALIGN / std::mem::size_of::<A>() {
+        offset
+    } else {
+        0
+    }
 }
 
 /// Packed copies kept per device; enough for the layers of a typical network, each with a
@@ -131,12 +158,12 @@ impl Cpu {
                     None => Vec::new(),
                 };
                 data.clear();
-                data.resize(packed_len, A::zero());
-                pack(&mut data);
+                pack(aligned(&mut data, packed_len));
                 let entry = Packed {
                     key,
                     last_use: clock,
                     data: Box::new(data),
+                    len: packed_len,
                 };
                 match victim {
                     Some(i) => {
@@ -151,17 +178,14 @@ impl Cpu {
             }
         };
         self.packs[index].last_use = clock;
-        let buffer = A::buffer(&mut self.scratch);
-        if buffer.len() < scratch_len {
-            buffer.resize(scratch_len, A::zero());
-        }
-        let packed = match self.packs[index].data.downcast_ref::<Vec<A>>() {
-            Some(v) => v.as_slice(),
+        let entry = &self.packs[index];
+        let packed = match entry.data.downcast_ref::<Vec<A>>() {
+            Some(v) => &v[aligned_offset(v)..][..entry.len],
             None => unreachable!("the entry's type was checked when it was found or built"),
         };
         Workspace {
             packed,
-            scratch: buffer.as_mut_slice(),
+            scratch: aligned(A::buffer(&mut self.scratch), scratch_len),
         }
     }
 
