@@ -27,10 +27,10 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use super::cpu::layout_id;
+use super::cpu::{activation_type, layout_id};
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
 use super::{lit, rt, usize_consts};
-use crate::spec::{Dtype, Spec};
+use crate::spec::{Dtype, Norm, Spec};
 
 /// Tiles per chunk at most, and the size aimed at. Small chunks keep the chunk's transforms
 /// (`16 * tiles * channels` each) in cache next to the transformed weights; measured on the
@@ -638,27 +638,34 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let (wtiles, weight_product) = weight_tiles(spec, plan, &oc_blk);
     let layout = layout_id(spec, 4);
     let ic_block = lit(ic_blk.v * ic_blk.lanes);
+    // Without a norm the activation's gradient needs nothing from the whole batch: each chunk
+    // computes its own `dz` (and bias gradient) in cache instead of a pass over the batch first.
+    let fused = spec.norm == Norm::None;
+    let act = activation_type(spec.activation);
     let kernel = dispatched(
         spec.dtype,
         "wino_backward_tiles",
         TokenStream::new(),
         TokenStream::new(),
         quote! {
-            x: &[__T], xs: &mut [__A], dz: &[__A], ut: &[__A], v: &mut [__A], n: &mut [__A],
-            du: &mut [__A], dx: &mut [__A], d_input: &mut [__T],
+            x: &[__T], xs: &mut [__A], g: DzSource<'_>, dz: &mut [__A], ut: &[__A],
+            v: &mut [__A], n: &mut [__A], du: &mut [__A], dx: &mut [__A], d_input: &mut [__T],
         },
-        quote!(x, xs, dz, ut, v, n, du, dx, d_input),
+        quote!(x, xs, g, dz, ut, v, n, du, dx, d_input),
         quote! {
             let (weights, data) = (!du.is_empty(), !dx.is_empty());
             ::core::debug_assert!(!weights || (x.len() == BATCH * IMAGE && du.len() == U_LEN));
             ::core::debug_assert!(!weights || xs.len() >= SLOTS * STAGED_IMAGE);
             ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() >= SLOTS * STAGED_IMAGE));
             ::core::debug_assert!(!data || d_input.len() == BATCH * IMAGE);
-            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC);
+            ::core::debug_assert!(dz.len() >= if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC });
             ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && n.len() >= ELEMS * WCT * OC);
             let rows_total = BATCH * WTH;
-            let (dz, ut) = (dz.as_ptr(), ut.as_ptr());
+            let ut = ut.as_ptr();
             let (vp, np, dup) = (v.as_mut_ptr(), n.as_mut_ptr(), du.as_mut_ptr());
+            let DzSource { d_output, pre, output, db } = g;
+            // The bias gradient of the chunks' `dz`, one vector of output channels at a time.
+            let mut bias = [S::zero(); OC / L];
             // Images staged (and their gradients cleared) so far, and gradients copied out.
             let (mut r0, mut staged, mut done) = (0, 0, 0);
             while r0 < rows_total {
@@ -677,12 +684,36 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 if weights {
                     wino_input::<S>(xs.as_ptr(), vp, r0, count);
                 }
+                // `dz` of the chunk's outputs (one contiguous pixel range), unless the pass
+                // computed all of it first.
+                let origin = if FUSED {
+                    let last = r0 + rows - 1;
+                    let first = r0 / WTH * NPIX + WM * (r0 % WTH) * OW;
+                    let end_row = if WM * (last % WTH) + WM < OH { WM * (last % WTH) + WM } else { OH };
+                    let end = last / WTH * NPIX + end_row * OW;
+                    let range = first * OC..end * OC;
+                    let dzc = &mut dz[..range.len()];
+                    #rt::activation::backward::<#act, __T>(
+                        &d_output[range.clone()], &pre[range.clone()], &output[range], dzc,
+                    );
+                    if !db.is_empty() {
+                        for px in dzc.chunks_exact(OC) {
+                            for k in 0..OC / L {
+                                bias[k] = bias[k].add(S::load(px.as_ptr().add(k * L)));
+                            }
+                        }
+                    }
+                    first
+                } else {
+                    0
+                };
+                let dzp = dz.as_ptr();
                 // Output-gradient tiles; outputs past the last row or column contribute zero.
                 for t in 0..count {
                     let (g, tw) = (r0 + t / WTW, t % WTW);
                     let (img, th) = (g / WTH, g % WTH);
                     let (oh, ow) = (WM * th, WM * tw);
-                    let base = dz.add(((img * OH + oh) * OW + ow) * OC);
+                    let base = dzp.add(((img * OH + oh) * OW + ow - origin) * OC);
                     let down = if OH - oh < WM { OH - oh } else { WM };
                     let right = if OW - ow < WM { OW - ow } else { WM };
                     for k in (0..OC).step_by(L) {
@@ -719,9 +750,34 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     done += 1;
                 }
             }
+            if !db.is_empty() {
+                for k in 0..OC / L {
+                    bias[k].store(db.as_mut_ptr().add(k * L));
+                }
+            }
         },
     );
+    let dz_chunk = lit(if fused {
+        chunk_rows(spec, plan) * plan.m * spec.out_w() * spec.out_channels
+    } else {
+        0
+    });
     let items = quote! {
+        /// Whether each chunk computes its own `dz` (see `DzSource`).
+        const FUSED: bool = #fused;
+        /// `dz` of one chunk at most: its tile rows' output rows.
+        const DZ_CHUNK: usize = #dz_chunk;
+
+        /// Where the fused kernel takes `dz` from: the output gradient, the pre-activations and
+        /// outputs of the forward pass; `db` (`OC`, or empty for no bias gradient) gets the sum
+        /// of `dz` over the batch. Empty where the pass computes `dz` first.
+        struct DzSource<'a> {
+            d_output: &'a [__T],
+            pre: &'a [__T],
+            output: &'a [__T],
+            db: &'a mut [__A],
+        }
+
         /// OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's
         /// order.
         fn pack_wino_data(w: &[__T], out: &mut [__A]) {
@@ -750,7 +806,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             let x_len = if weights { SLOTS * STAGED_IMAGE } else { 0 };
             let du_len = if weights { U_LEN } else { 0 };
             let dx_len = if data { SLOTS * STAGED_IMAGE } else { 0 };
-            let lens = BATCH * NPIX * OC + ELEMS * WCT * (WIC + OC) + x_len + du_len + dx_len;
+            let dz_len = if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC };
+            let lens = dz_len + ELEMS * WCT * (WIC + OC) + x_len + du_len + dx_len;
             let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
                 key,
                 if data { U_LEN } else { 0 },
@@ -761,7 +818,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 },
                 lens,
             );
-            let (dz, rest) = scratch.split_at_mut(BATCH * NPIX * OC);
+            let (dz, rest) = scratch.split_at_mut(dz_len);
             let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
             let (n, rest) = rest.split_at_mut(ELEMS * WCT * OC);
             let (xs, rest) = rest.split_at_mut(x_len);
@@ -770,17 +827,36 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             // Scratch is not cleared by the device: zero what is accumulated into (the kernel
             // clears each image's staged input gradient).
             du.fill(0.0);
-            d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
+            let mut db = [0.0 as __A; OC];
+            let source = if FUSED {
+                let _ = mode;
+                DzSource {
+                    d_output,
+                    pre: state.pre_activation.as_slice(),
+                    output: state.output.as_slice(),
+                    db: if weights { &mut db } else { &mut [] },
+                }
+            } else {
+                d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
+                DzSource { d_output: &[], pre: &[], output: &[], db: &mut [] }
+            };
             let x: &[__T] = if weights { x } else { &[] };
             let d_input: &mut [__T] = match d_input {
                 ::core::option::Option::Some(d) => d,
                 ::core::option::Option::None => &mut [],
             };
             // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-            unsafe { wino_backward_tiles(x, xs, dz, packed, v, n, du, dx, d_input) };
+            unsafe { wino_backward_tiles(x, xs, source, dz, packed, v, n, du, dx, d_input) };
 
             if let ::core::option::Option::Some(g) = grads {
-                #bias
+                if FUSED {
+                    let gb = &mut g.biases.as_mut_slice()[..OC];
+                    for c in 0..OC {
+                        gb[c] += db[c];
+                    }
+                } else {
+                    #bias
+                }
                 // `G^T dU G`, one vector of output channels at a time.
                 use #rt::Simd as _;
                 type P = #rt::simd::Lanes<__A, L>;
