@@ -408,8 +408,10 @@ pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; MAX]; MAX], n: *mut S::Elem
     }
 }
 
-/// Adds `B dv B^T` (element `e` of `dv` at `dv + e * stride`) into the input tile
-/// `x + i * row + j * col`.
+/// `B dv B^T` (element `e` of `dv` at `dv + e * stride`) into the input tile
+/// `x + i * row + j * col`: added into its first `add_rows` rows and `add_cols` columns (where
+/// earlier tiles overlap it), stored over the rest (which no earlier tile reached, so that the
+/// gradient needs no clearing).
 ///
 /// # Safety
 /// Every address read or written holds `S::LANES` elements.
@@ -420,6 +422,8 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
     x: *mut S::Elem,
     row: usize,
     col: usize,
+    add_rows: usize,
+    add_cols: usize,
 ) {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
@@ -432,7 +436,11 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
         let r = V::b(t[i]);
         for j in 0..V::N {
             let p = x.add(i * row + j * col);
-            S::load(p).add(r[j]).store(p);
+            if i < add_rows || j < add_cols {
+                S::load(p).add(r[j]).store(p);
+            } else {
+                r[j].store(p);
+            }
         }
     }
 }
@@ -592,11 +600,12 @@ mod tests {
             for e in 0..n * n {
                 dv[e * L + ln] = u[e / n][e % n] * nn[e * L + ln];
             }
+            // Added into the first row and the first two columns, stored over the rest.
             let mut dd = vec![0.5; n * n * L];
-            unsafe { input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), n * L, L) };
+            unsafe { input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), n * L, L, 1, 2) };
             for i in 0..n {
                 for j in 0..n {
-                    let mut direct = 0.5;
+                    let mut direct = if i < 1 || j < 2 { 0.5 } else { 0.0 };
                     for q in 0..m * m {
                         let (a, b) = (q / m, q % m);
                         let (i0, j0) = (st * a, st * b);

@@ -181,7 +181,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
             spec.in_w().min((sd * ww).saturating_sub(spec.padding[1])),
         ),
         ("WROWS", rows),
-        // Staged images a chunk can touch: each is staged (and its input gradient cleared) when
+        // Staged images a chunk can touch: each is staged (and its input gradient begun) when
         // a chunk first reaches it, in slot `image % SLOTS`, so the staged copies stay in cache.
         ("SLOTS", (rows - 1).div_ceil(th) + 1),
         ("WCT", (rows * tw).next_multiple_of(12)),
@@ -666,7 +666,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             let DzSource { d_output, pre, output, db } = g;
             // The bias gradient of the chunks' `dz`, one vector of output channels at a time.
             let mut bias = [S::zero(); OC / L];
-            // Images staged (and their gradients cleared) so far, and gradients copied out.
+            // Images staged so far, and gradients copied out.
             let (mut r0, mut staged, mut done) = (0, 0, 0);
             while r0 < rows_total {
                 let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
@@ -675,9 +675,6 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     let slot = staged % SLOTS * STAGED_IMAGE;
                     if weights {
                         wino_stage(&x[staged * IMAGE..][..IMAGE], &mut xs[slot..][..STAGED_IMAGE]);
-                    }
-                    if data {
-                        dx[slot..][..STAGED_IMAGE].fill(0.0);
                     }
                     staged += 1;
                 }
@@ -737,8 +734,12 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         let (g, tw) = (r0 + t / WTW, t % WTW);
                         let (img, th) = (g / WTH, g % WTH);
                         let dst = dxp.add(img % SLOTS * STAGED_IMAGE + (WSTEP * th * WW + WSTEP * tw) * WIC);
+                        // Tiles run in rows, left to right: the ones above and to the left
+                        // overlap this one in its first `WN - WSTEP` rows and columns.
+                        let add_rows = if th == 0 { 0 } else { WN - WSTEP };
+                        let add_cols = if tw == 0 { 0 } else { WN - WSTEP };
                         for c in (0..WIC).step_by(L) {
-                            #rt::winograd::input_gradient::<WV, S>(vp.add(t * WIC + c), WCT * WIC, dst.add(c), WW * WIC, WIC);
+                            #rt::winograd::input_gradient::<WV, S>(vp.add(t * WIC + c), WCT * WIC, dst.add(c), WW * WIC, WIC, add_rows, add_cols);
                         }
                     }
                 }
@@ -824,8 +825,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             let (xs, rest) = rest.split_at_mut(x_len);
             let (du, rest) = rest.split_at_mut(du_len);
             let dx = &mut rest[..dx_len];
-            // Scratch is not cleared by the device: zero what is accumulated into (the kernel
-            // clears each image's staged input gradient).
+            // Scratch is not cleared by the device: zero what is accumulated into (the staged
+            // input gradient is stored where no tile reached it before).
             du.fill(0.0);
             let mut db = [0.0 as __A; OC];
             let source = if FUSED {
