@@ -159,6 +159,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
     let rows = chunk_rows(spec, plan);
     let wic = sd * sd * spec.in_c();
     let step = plan.stride * m;
+    let direct = sd == 1 && !spec.dtype.is_half();
     let (wh, ww) = (step * th + plan.n - step, step * tw + plan.n - step);
     let consts = usize_consts(&[
         ("WM", m),
@@ -188,10 +189,22 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
         ("ELEMS", plan.n * plan.n),
         ("IMAGE", spec.in_h() * spec.in_w() * spec.in_c()),
         ("STAGED_IMAGE", wh * ww * wic),
+        // Scratch for the input: a border window, or the staged slots.
+        (
+            "XS_LEN",
+            if direct {
+                plan.n * plan.n * wic
+            } else {
+                ((rows - 1).div_ceil(th) + 1) * wh * ww * wic
+            },
+        ),
         ("U_LEN", plan.n * plan.n * wic * spec.out_channels),
     ]);
     let variant = format_ident!("{}", plan.variant);
     quote! {
+        /// Whether tiles read the input in place (border windows from a zero-padded copy)
+        /// rather than from staged slots: in the accumulator type, without space-to-depth.
+        const DIRECT_INPUT: bool = #direct;
         #consts
         type WV = #rt::winograd::#variant;
     }
@@ -223,7 +236,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         },
         quote!(x, xs, u, v, m, y, epilogue),
         quote! {
-            ::core::debug_assert!(x.len() == __B * IMAGE && xs.len() >= SLOTS * STAGED_IMAGE);
+            ::core::debug_assert!(x.len() == __B * IMAGE && xs.len() >= XS_LEN);
             ::core::debug_assert!(u.len() == U_LEN + OC);
             ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && m.len() >= ELEMS * WCT * OC);
             ::core::debug_assert!(y.len() == __B * NPIX * OC);
@@ -234,12 +247,13 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             while r0 < rows_total {
                 let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
                 let count = rows * WTW;
-                while staged <= (r0 + rows - 1) / WTH {
+                while !DIRECT_INPUT && staged <= (r0 + rows - 1) / WTH {
                     let slot = &mut xs[staged % SLOTS * STAGED_IMAGE..][..STAGED_IMAGE];
                     wino_stage(&x[staged * IMAGE..][..IMAGE], slot);
                     staged += 1;
                 }
-                wino_input::<S>(xs.as_ptr(), vp, r0, count);
+                let source = if DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
+                wino_input::<S>(source, xs.as_mut_ptr(), vp, r0, count);
                 wino_gemm::<S>(vp, u, mp, count);
                 let yp = y.as_mut_ptr();
                 for t in 0..count {
@@ -357,9 +371,9 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                 key,
                 U_LEN + OC,
                 |out| pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out),
-                SLOTS * STAGED_IMAGE + ELEMS * WCT * (WIC + OC) + y_scratch,
+                XS_LEN + ELEMS * WCT * (WIC + OC) + y_scratch,
             );
-            let (xs, rest) = ws.scratch.split_at_mut(SLOTS * STAGED_IMAGE);
+            let (xs, rest) = ws.scratch.split_at_mut(XS_LEN);
             let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
             let (m, rest) = rest.split_at_mut(ELEMS * WCT * OC);
             let y: &mut [__A] = match ya {
@@ -442,19 +456,52 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
 fn helpers() -> TokenStream {
     let rt = rt();
     quote! {
-        /// `V[e][t][staged channel]` of the chunk's `count` tiles from tile row `r0` on.
+        /// `V[e][t][staged channel]` of the chunk's `count` tiles from tile row `r0` on, read
+        /// from `xs`: the input itself (`DIRECT_INPUT`, with `tb` for border windows) or the
+        /// staged slots.
         #[inline(always)]
         unsafe fn wino_input<S: #rt::Simd<Elem = __A>>(
-            xs: *const __A, v: *mut __A, r0: usize, count: usize,
+            xs: *const __A, tb: *mut __A, v: *mut __A, r0: usize, count: usize,
         ) {
             for t in 0..count {
                 let (g, tw) = (r0 + t / WTW, t % WTW);
                 let (n, th) = (g / WTH, g % WTH);
-                let src = xs.add(n % SLOTS * STAGED_IMAGE + (WSTEP * th * WW + WSTEP * tw) * WIC);
+                let (src, row) = if DIRECT_INPUT {
+                    wino_window(xs, tb, n, th, tw)
+                } else {
+                    (xs.add(n % SLOTS * STAGED_IMAGE + (WSTEP * th * WW + WSTEP * tw) * WIC), WW * WIC)
+                };
                 for c in (0..WIC).step_by(L) {
-                    #rt::winograd::input::<WV, S>(src.add(c), WW * WIC, WIC, v.add(t * WIC + c), WCT * WIC);
+                    #rt::winograd::input::<WV, S>(src.add(c), row, WIC, v.add(t * WIC + c), WCT * WIC);
                 }
             }
+        }
+
+        /// The input window of tile `(th, tw)` of image `n` and its row stride: in place in the
+        /// input `x` where it lies inside the image, else copied into `tb` (`WN * WN * WIC`)
+        /// with zeros for the padding and past the edges.
+        #[inline(always)]
+        unsafe fn wino_window(
+            x: *const __A, tb: *mut __A, n: usize, th: usize, tw: usize,
+        ) -> (*const __A, usize) {
+            // Padded coordinates of the window's first row and column.
+            let (h0, w0) = (WSTEP * th, WSTEP * tw);
+            if h0 >= PH && h0 + WN <= PH + IH && w0 >= PW && w0 + WN <= PW + IW {
+                return (x.add(((n * IH + h0 - PH) * IW + w0 - PW) * IC), IW * IC);
+            }
+            for i in 0..WN {
+                for j in 0..WN {
+                    let (h, w) = (h0 + i, w0 + j);
+                    let dst = tb.add((i * WN + j) * WIC);
+                    if h >= PH && h < PH + IH && w >= PW && w < PW + IW {
+                        let src = x.add(((n * IH + h - PH) * IW + w - PW) * IC);
+                        ::core::ptr::copy_nonoverlapping(src, dst, IC);
+                    } else {
+                        ::core::ptr::write_bytes(dst, 0, IC);
+                    }
+                }
+            }
+            (tb, WN * WIC)
         }
     }
 }
@@ -655,7 +702,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         quote! {
             let (weights, data) = (!du.is_empty(), !dx.is_empty());
             ::core::debug_assert!(!weights || (x.len() == BATCH * IMAGE && du.len() == U_LEN));
-            ::core::debug_assert!(!weights || xs.len() >= SLOTS * STAGED_IMAGE);
+            ::core::debug_assert!(!weights || xs.len() >= XS_LEN);
             ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() >= SLOTS * STAGED_IMAGE));
             ::core::debug_assert!(!data || d_input.len() == BATCH * IMAGE);
             ::core::debug_assert!(dz.len() >= if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC });
@@ -673,13 +720,14 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 let count = rows * WTW;
                 while staged <= (r0 + rows - 1) / WTH {
                     let slot = staged % SLOTS * STAGED_IMAGE;
-                    if weights {
+                    if weights && !DIRECT_INPUT {
                         wino_stage(&x[staged * IMAGE..][..IMAGE], &mut xs[slot..][..STAGED_IMAGE]);
                     }
                     staged += 1;
                 }
                 if weights {
-                    wino_input::<S>(xs.as_ptr(), vp, r0, count);
+                    let source = if DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
+                    wino_input::<S>(source, xs.as_mut_ptr(), vp, r0, count);
                 }
                 // `dz` of the chunk's outputs (one contiguous pixel range), unless the pass
                 // computed all of it first.
@@ -804,7 +852,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             } else {
                 #rt::PackKey { stamps: [0, 0], layout: 0 }
             };
-            let x_len = if weights { SLOTS * STAGED_IMAGE } else { 0 };
+            let x_len = if weights { XS_LEN } else { 0 };
             let du_len = if weights { U_LEN } else { 0 };
             let dx_len = if data { SLOTS * STAGED_IMAGE } else { 0 };
             let dz_len = if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC };
