@@ -223,8 +223,29 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
     let layout = layout_id(spec, 3);
     let gemm = product("wino_gemm", &oc_blk, quote!(WIC), quote!(OC));
     let tiles = gemm_tiles(spec, &[&oc_blk, &ic_blk]);
-    let helpers = helpers();
     let oc_block = lit(oc_blk.v * oc_blk.lanes);
+    let helpers = helpers();
+    // OHWI weights -> `U[e][block of OC][staged channel][lanes]`, then the biases. Once per
+    // parameter change.
+    let pack = dispatched(
+        spec.dtype,
+        "pack_wino",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(w: &[__T], b: &[__T], out: &mut [__A]),
+        quote!(w, b, out),
+        quote! {
+            use #rt::Element as _;
+            wino_weights(w, true, |e, k, c, values| {
+                let first = k / #oc_block * #oc_block;
+                let width = if OC - first < #oc_block { OC - first } else { #oc_block };
+                out[e * WIC * OC + WIC * first + c * width + (k - first)..][..L].copy_from_slice(values);
+            });
+            for k in 0..OC {
+                out[U_LEN + k] = b[k].to_acc();
+            }
+        },
+    );
     let kernel = dispatched(
         spec.dtype,
         "wino_tiles",
@@ -370,7 +391,8 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             let ws = cpu.__workspace::<__A>(
                 key,
                 U_LEN + OC,
-                |out| pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out),
+                // SAFETY: the packer indexes slices, checked.
+                |out| unsafe { pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out) },
                 XS_LEN + ELEMS * WCT * (WIC + OC) + y_scratch,
             );
             let (xs, rest) = ws.scratch.split_at_mut(XS_LEN);
@@ -399,7 +421,9 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// pairs at a time (one vector) along output channels if `k_inner`, else along staged
         /// channels: `put(e, k, c, values)` gets element `e` of the pairs `(k, c)` on. Rows of
         /// `L` are what the packed copies hold contiguously; written one value at a time, the
-        /// element planes 16 KiB apart ran 8x slower.
+        /// element planes 16 KiB apart ran 8x slower. Inlined into the packers' AVX2
+        /// instantiations, where the portable vectors compile to whole registers.
+        #[inline(always)]
         fn wino_weights(w: &[__T], k_inner: bool, mut put: impl FnMut(usize, usize, usize, &[__A; L])) {
             use #rt::{Element as _, Simd as _};
             type P = #rt::simd::Lanes<__A, L>;
@@ -432,19 +456,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             }
         }
 
-        /// OHWI weights -> `U[e][block of OC][staged channel][lanes]`, then the biases. Once per
-        /// parameter change.
-        fn pack_wino(w: &[__T], b: &[__T], out: &mut [__A]) {
-            use #rt::Element as _;
-            wino_weights(w, true, |e, k, c, values| {
-                let first = k / #oc_block * #oc_block;
-                let width = if OC - first < #oc_block { OC - first } else { #oc_block };
-                out[e * WIC * OC + WIC * first + c * width + (k - first)..][..L].copy_from_slice(values);
-            });
-            for k in 0..OC {
-                out[U_LEN + k] = b[k].to_acc();
-            }
-        }
+        #pack
 
         #helpers
         #gemm
@@ -685,6 +697,22 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let (wtiles, weight_product) = weight_tiles(spec, plan, &oc_blk);
     let layout = layout_id(spec, 4);
     let ic_block = lit(ic_blk.v * ic_blk.lanes);
+    // OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's order.
+    let pack_data = dispatched(
+        spec.dtype,
+        "pack_wino_data",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(w: &[__T], out: &mut [__A]),
+        quote!(w, out),
+        quote! {
+            wino_weights(w, false, |e, k, c, values| {
+                let first = c / #ic_block * #ic_block;
+                let width = if WIC - first < #ic_block { WIC - first } else { #ic_block };
+                out[e * WIC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
+            });
+        },
+    );
     // Without a norm the activation's gradient needs nothing from the whole batch: each chunk
     // computes its own `dz` (and bias gradient) in cache instead of a pass over the batch first.
     let fused = spec.norm == Norm::None;
@@ -827,15 +855,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             db: &'a mut [__A],
         }
 
-        /// OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's
-        /// order.
-        fn pack_wino_data(w: &[__T], out: &mut [__A]) {
-            wino_weights(w, false, |e, k, c, values| {
-                let first = c / #ic_block * #ic_block;
-                let width = if WIC - first < #ic_block { WIC - first } else { #ic_block };
-                out[e * WIC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
-            });
-        }
+        #pack_data
 
         #kernel
         #data_product
@@ -862,7 +882,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 if data { U_LEN } else { 0 },
                 |out| {
                     if data {
-                        pack_wino_data(layer.weights.as_slice(), out)
+                        // SAFETY: the packer indexes slices, checked.
+                        unsafe { pack_wino_data(layer.weights.as_slice(), out) }
                     }
                 },
                 lens,
