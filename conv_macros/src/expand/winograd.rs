@@ -17,11 +17,13 @@
 //!   `dV[e] = N[e] . U[e]^T` (from a second packed copy, `[e][block][oc][lanes]`) added into the
 //!   overlapping input tiles (`winograd::input_gradient`).
 //!
-//! Each image is staged (space-to-depth for 4x4 stride-2 layers) in a zero-bordered copy as
-//! large as the whole tiles read, so no tile has a border branch, when the first chunk reaches
-//! it, in one of `SLOTS` buffers that stay in cache (its input gradient likewise, copied out
-//! when its last chunk is done); outputs of tiles past the last row or column are not stored,
-//! and their gradients are zero. `WIC` is the staged image's channel
+//! f32 layers without space-to-depth read each tile's input window in place, border windows
+//! through a zero-padded copy (`DIRECT_INPUT`). Otherwise each image is staged (space-to-depth,
+//! or converted from a half type) in a zero-bordered copy as large as the whole tiles read, when
+//! the first chunk reaches it, in one of `SLOTS` buffers that stay in cache. The input gradient
+//! is built per image in such a slot, stored where no earlier tile reached and added where
+//! tiles overlap, and copied out when the image's last chunk is done. Outputs of tiles past the
+//! last row or column are not stored, and their gradients are zero. `WIC` is the staged image's channel
 //! count (`IC`, or `4 * IC` space-to-depth).
 
 use proc_macro2::TokenStream;
