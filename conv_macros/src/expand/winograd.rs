@@ -163,6 +163,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
     let step = plan.stride * m;
     let direct = sd == 1 && !spec.dtype.is_half();
     let (wh, ww) = (step * th + plan.n - step, step * tw + plan.n - step);
+    let slots = (rows - 1).div_ceil(th) + 1;
     let consts = usize_consts(&[
         ("WM", m),
         ("WN", plan.n),
@@ -186,7 +187,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
         ("WROWS", rows),
         // Staged images a chunk can touch: each is staged (and its input gradient begun) when
         // a chunk first reaches it, in slot `image % SLOTS`, so the staged copies stay in cache.
-        ("SLOTS", (rows - 1).div_ceil(th) + 1),
+        ("SLOTS", slots),
         ("WCT", (rows * tw).next_multiple_of(12)),
         ("ELEMS", plan.n * plan.n),
         ("IMAGE", spec.in_h() * spec.in_w() * spec.in_c()),
@@ -197,7 +198,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
             if direct {
                 plan.n * plan.n * wic
             } else {
-                ((rows - 1).div_ceil(th) + 1) * wh * ww * wic
+                slots * wh * ww * wic
             },
         ),
         ("U_LEN", plan.n * plan.n * wic * spec.out_channels),
