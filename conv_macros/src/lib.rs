@@ -2,9 +2,15 @@
 //!
 //! Use it through `conv_runtime`, which re-exports it; generated code names runtime items only
 //! through `::conv_runtime::__private`.
+//!
+//! Every expansion is hygienic: no name the user defines or imports changes what it means. Its
+//! private names start with `__`, constants passed as generic arguments are braced, and standard
+//! items and macros are named by absolute paths. This holds for everything the crate's macros
+//! emit, now and later; `hygiene.rs` states the rules and checks them over expanded code.
 
 mod ast;
 mod expand;
+mod hygiene;
 mod parse;
 mod spec;
 mod valid;
@@ -34,4 +40,82 @@ pub fn conv2d(input: TokenStream) -> TokenStream {
             quote::quote!(#errors #fallback).into()
         }
     }
+}
+
+/// `__hygiene_names! { callback; spec spec .. }` (each `spec` a `conv2d!` body) calls
+/// `callback! { values: [..], functions: [..], types: [..] }` with the private names the specs'
+/// expansions define, without their `__` prefix, by kind (each name once, as
+/// `(Name NameGrads NameState)`), or a compile error where an expansion
+/// breaks the hygiene rules (`hygiene.rs`). For the project's hygiene test
+/// (tests/hygiene.rs), which names its layers and items after them; not part of the API.
+#[doc(hidden)]
+#[proc_macro]
+pub fn __hygiene_names(input: TokenStream) -> TokenStream {
+    // The callback, `;`, then specs, each ending at its braced body.
+    let mut tokens = proc_macro2::TokenStream::from(input).into_iter().peekable();
+    let mut callback = proc_macro2::TokenStream::new();
+    for tree in tokens.by_ref() {
+        match &tree {
+            proc_macro2::TokenTree::Punct(p) if p.as_char() == ';' => break,
+            _ => callback.extend([tree]),
+        }
+    }
+    let mut inputs = Vec::new();
+    let mut spec = proc_macro2::TokenStream::new();
+    for tree in tokens {
+        let end = matches!(&tree, proc_macro2::TokenTree::Group(g)
+            if g.delimiter() == proc_macro2::Delimiter::Brace);
+        spec.extend([tree]);
+        if end {
+            match syn::parse2::<ast::Input>(std::mem::take(&mut spec)) {
+                Ok(input) => inputs.push(input),
+                Err(error) => return error.to_compile_error().into(),
+            }
+        }
+    }
+    let mut names = hygiene::Names::default();
+    for input in inputs {
+        match valid::validate(input) {
+            Ok(spec) => {
+                let (expansion, public) = (expand::expand(&spec), expand::public_names(&spec));
+                let broken = hygiene::violations(expansion.clone(), &public);
+                if !broken.is_empty() {
+                    let message = format!(
+                        "the expansion breaks its hygiene rules:\n{}",
+                        broken.join("\n")
+                    );
+                    return syn::Error::new(spec.ident.span(), message)
+                        .to_compile_error()
+                        .into();
+                }
+                names.add(expansion, &public);
+            }
+            Err(errors) => return errors.to_compile_error().into(),
+        }
+    }
+    // Each name once, in the namespace it is most dangerous in (a function name would turn a
+    // user's constant of that name into a pattern nowhere; a constant's is checked as a value).
+    let values = &names.values - &names.functions;
+    let types = &(&names.types - &names.values) - &names.functions;
+    // `(Name NameGrads NameState)`: a layer's names, for a case that defines one per name.
+    let layers = |set: &std::collections::BTreeSet<String>| -> Vec<proc_macro2::TokenStream> {
+        set.iter()
+            .map(|n| {
+                let span = proc_macro2::Span::call_site();
+                let layer = syn::Ident::new(n, span);
+                let grads = quote::format_ident!("{}Grads", layer);
+                let state = quote::format_ident!("{}State", layer);
+                quote::quote!((#layer #grads #state))
+            })
+            .collect()
+    };
+    let (values, functions, types) = (layers(&values), layers(&names.functions), layers(&types));
+    quote::quote! {
+        #callback! {
+            values: [#(#values)*],
+            functions: [#(#functions)*],
+            types: [#(#types)*],
+        }
+    }
+    .into()
 }

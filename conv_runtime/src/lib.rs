@@ -122,4 +122,6 @@ pub mod __private {
         bf16, f16, Cpu, Element, Error, Mode, ParamTensor, Parameters, Real, Result, Rng, Tensor,
         Vector,
     };
+    /// For the project's hygiene test (tests/hygiene.rs).
+    pub use conv_macros::__hygiene_names as hygiene_names;
 }

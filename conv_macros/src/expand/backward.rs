@@ -57,15 +57,15 @@ fn data_kernel(spec: &Spec) -> DataPath {
     let l = blk.lanes;
     let calls = blk.calls("data_tile", false, |tile, first| {
         quote! {
-            let dsts: [*mut __A; DP] = ::core::array::from_fn(|p| rows[p].add(#first));
-            #tile::<S>(&dzs, w.add(kh * OC * SEGP + OC * #first), &dsts);
+            let dsts: [*mut __A; __DP] = ::core::array::from_fn(|p| rows[p].add(#first));
+            #tile::<__S>(&dzs, w.add(kh * __OC * __SEGP + __OC * #first), &dsts);
         }
     });
     let block = lit(blk.v * l);
     let tiles = blk.kinds().into_iter().map(|(nv, last)| {
-        let name = format_ident!("data_tile_{}_{}", nv, last);
+        let name = format_ident!("__data_tile_{}_{}", nv, last);
         let width = lit(nv * l);
-        let init = init_accumulators(blk.p, nv, |_, _| quote!(S::zero()));
+        let init = init_accumulators(blk.p, nv, |_, _| quote!(__S::zero()));
         let step = fma_step(
             blk.p,
             nv,
@@ -88,13 +88,13 @@ fn data_kernel(spec: &Spec) -> DataPath {
                     let n = lit(n);
                     quote! {
                         let d = dsts[#i].add(#off);
-                        let old = S::load(d);
-                        S::blend_first(old.add(#acc), old, #n).store(d);
+                        let old = __S::load(d);
+                        __S::blend_first(old.add(#acc), old, #n).store(d);
                     }
                 }
                 None => quote! {
                     let d = dsts[#i].add(#off);
-                    S::load(d).add(#acc).store(d);
+                    __S::load(d).add(#acc).store(d);
                 },
             }
         });
@@ -102,11 +102,11 @@ fn data_kernel(spec: &Spec) -> DataPath {
             /// Adds `W^T . dz` of `DP` pixels into their input row segments (in order: the
             /// segments of neighbouring pixels overlap when the stride is below the kernel).
             #[inline(always)]
-            unsafe fn #name<S: #rt::Simd<Elem = __A>>(
-                dzs: &[*const __A; DP], w: *const __A, dsts: &[*mut __A; DP],
+            unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
+                dzs: &[*const __A; __DP], w: *const __A, dsts: &[*mut __A; __DP],
             ) {
                 #init
-                for oc in 0..OC {
+                for oc in 0..__OC {
                     #step
                 }
                 #adds
@@ -121,27 +121,27 @@ fn data_kernel(spec: &Spec) -> DataPath {
         quote!(dz: &[__A], w: &[__A], dx: &mut [__A], zero_row: &[__A]),
         quote!(dz, w, dx, zero_row),
         quote! {
-            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC && w.len() == DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == BATCH * XH * XW * IC + L && zero_row.len() >= OC);
-            let total = BATCH * NPIX;
+            ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC && w.len() == __DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == __BATCH * __XH * __XW * __IC + __L && zero_row.len() >= __OC);
+            let total = __BATCH * __NPIX;
             let (dz, w, dx) = (dz.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
             let mut q0 = 0;
             while q0 < total {
                 // Pixels past the end of a partial tile read a zero gradient: they add nothing.
-                let dzs: [*const __A; DP] = ::core::array::from_fn(|p| {
-                    if q0 + p < total { dz.add((q0 + p) * OC) } else { zero_row.as_ptr() }
+                let dzs: [*const __A; __DP] = ::core::array::from_fn(|p| {
+                    if q0 + p < total { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
                 });
-                let bases: [*mut __A; DP] = ::core::array::from_fn(|p| {
+                let bases: [*mut __A; __DP] = ::core::array::from_fn(|p| {
                     let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / NPIX, q % NPIX);
-                    let (oh, ow) = (r / OW, r % OW);
-                    dx.add(((n * XH + oh * SH) * XW + ow * SW) * IC)
+                    let (n, r) = (q / __NPIX, q % __NPIX);
+                    let (oh, ow) = (r / __OW, r % __OW);
+                    dx.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
                 });
-                for kh in 0..KH {
-                    let rows: [*mut __A; DP] = ::core::array::from_fn(|p| bases[p].add(kh * XW * IC));
+                for kh in 0..__KH {
+                    let rows: [*mut __A; __DP] = ::core::array::from_fn(|p| bases[p].add(kh * __XW * __IC));
                     #calls
                 }
-                q0 += DP;
+                q0 += __DP;
             }
         },
     );
@@ -155,34 +155,34 @@ fn data_kernel(spec: &Spec) -> DataPath {
     };
     let run = quote! {
         // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-        unsafe { data_tiles(dz, packed, dx, zero_row) };
-        for n in 0..BATCH {
-            for h in 0..IH {
-                let src = &dx[((n * XH + h + PH) * XW + PW) * IC..][..IW * IC];
-                let dst = &mut d_input[(n * IH + h) * IW * IC..][..IW * IC];
+        unsafe { __data_tiles(dz, packed, dx, zero_row) };
+        for n in 0..__BATCH {
+            for h in 0..__IH {
+                let src = &dx[((n * __XH + h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
+                let dst = &mut d_input[(n * __IH + h) * __IW * __IC..][..__IW * __IC];
                 #store;
             }
         }
     };
     let kernel = quote! {
-        const SEGP: usize = #segp;
-        const DP: usize = #dp;
-        const DATA_PACKED_LEN: usize = #packed_len;
-        const DATA_LAYOUT: u64 = #layout;
+        const __SEGP: usize = #segp;
+        const __DP: usize = #dp;
+        const __DATA_PACKED_LEN: usize = #packed_len;
+        const __DATA_LAYOUT: u64 = #layout;
 
         /// OHWI weights -> `[kh][block][oc][lanes of the (kw, ic) segment]`, zero-padded.
         /// Runs once per parameter change: a plain loop nest.
-        fn pack_data(w: &[__T], out: &mut [__A]) {
+        fn __pack_data(w: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            for kh in 0..KH {
-                for oc in 0..OC {
-                    for s in 0..SEG {
+            for kh in 0..__KH {
+                for oc in 0..__OC {
+                    for s in 0..__SEG {
                         // The block holding `s`: full blocks are `BLOCK` wide, the last one
                         // may be less.
                         let first = s / #block * #block;
-                        let width = if SEGP - first < #block { SEGP - first } else { #block };
-                        out[kh * OC * SEGP + OC * first + oc * width + (s - first)] =
-                            w[(oc * KH + kh) * SEG + s].to_acc();
+                        let width = if __SEGP - first < #block { __SEGP - first } else { #block };
+                        out[kh * __OC * __SEGP + __OC * first + oc * width + (s - first)] =
+                            w[(oc * __KH + kh) * __SEG + s].to_acc();
                     }
                 }
             }
@@ -193,7 +193,7 @@ fn data_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        dx_len: quote!(BATCH * XH * XW * IC + L),
+        dx_len: quote!(__BATCH * __XH * __XW * __IC + __L),
         prepare: quote!(dx.fill(0.0);),
         run,
     }
@@ -241,7 +241,7 @@ fn gather_kernel(spec: &Spec) -> DataPath {
         for c in 0..ic {
             for v in 0..kv {
                 let a = acc(p, c, v);
-                init.extend(quote!(let mut #a = S::zero();));
+                init.extend(quote!(let mut #a = __S::zero();));
             }
         }
     }
@@ -250,17 +250,17 @@ fn gather_kernel(spec: &Spec) -> DataPath {
         for v in 0..kv {
             let z = format_ident!("z_{}_{}", p, v);
             let off = lit(v * l);
-            step.extend(quote!(let #z = S::load(zs[#pl].sub(back).add(#off));));
+            step.extend(quote!(let #z = __S::load(zs[#pl].sub(back).add(#off));));
         }
     }
     for c in 0..ic {
         for v in 0..kv {
             let w = format_ident!("w_{}_{}", c, v);
             let off = lit(c * kv * l + v * l);
-            step.extend(quote!(let #w = S::load(wk.add(#off));));
+            step.extend(quote!(let #w = __S::load(wk.add(#off));));
             for p in 0..gp {
                 let (a, z) = (acc(p, c, v), format_ident!("z_{}_{}", p, v));
-                step.extend(quote!(#a = S::fma(#z, #w, #a);));
+                step.extend(quote!(#a = __S::fma(#z, #w, #a);));
             }
         }
     }
@@ -274,7 +274,7 @@ fn gather_kernel(spec: &Spec) -> DataPath {
             let cl = lit(c);
             out.extend(quote! {
                 if #pl < valid {
-                    *dx.add((q0 + #pl) * IC + #cl) = <__T as #rt::Element>::from_acc(#sum.sum());
+                    *dx.add((q0 + #pl) * __IC + #cl) = <__T as #rt::Element>::from_acc(#sum.sum());
                 }
             });
         }
@@ -287,70 +287,70 @@ fn gather_kernel(spec: &Spec) -> DataPath {
         quote!(zp: &[__A], w: &[__A], dx: &mut [__T]),
         quote!(zp, w, dx),
         quote! {
-            ::core::debug_assert!(zp.len() == BATCH * ZH * ZW * GOCP && w.len() == DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == BATCH * IH * IW * IC);
-            let total = BATCH * IH * IW;
+            ::core::debug_assert!(zp.len() == __BATCH * __ZH * __ZW * __GOCP && w.len() == __DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == __BATCH * __IH * __IW * __IC);
+            let total = __BATCH * __IH * __IW;
             let (zp, w, dx) = (zp.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
             let mut q0 = 0;
             while q0 < total {
-                let valid = if total - q0 < GP { total - q0 } else { GP };
+                let valid = if total - q0 < __GP { total - q0 } else { __GP };
                 // Each pixel's `dz` at kernel offset (0, 0); pixels past the end repeat the last.
-                let zs: [*const __A; GP] = ::core::array::from_fn(|p| {
+                let zs: [*const __A; __GP] = ::core::array::from_fn(|p| {
                     let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / (IH * IW), q % (IH * IW));
-                    let (h, x) = (r / IW, r % IW);
-                    zp.add(((n * ZH + h + PH + TPH) * ZW + x + PW + TPW) * GOCP)
+                    let (n, r) = (q / (__IH * __IW), q % (__IH * __IW));
+                    let (h, x) = (r / __IW, r % __IW);
+                    zp.add(((n * __ZH + h + __PH + __TPH) * __ZW + x + __PW + __TPW) * __GOCP)
                 });
                 #init
-                for kh in 0..KH {
-                    for kw in 0..KW {
-                        let back = (kh * ZW + kw) * GOCP;
-                        let wk = w.add((kh * KW + kw) * IC * GOCP);
+                for kh in 0..__KH {
+                    for kw in 0..__KW {
+                        let back = (kh * __ZW + kw) * __GOCP;
+                        let wk = w.add((kh * __KW + kw) * __IC * __GOCP);
                         #step
                     }
                 }
                 #out
-                q0 += GP;
+                q0 += __GP;
             }
         },
     );
     let layout = layout_id(spec, 5);
     let kernel = quote! {
         #consts
-        const DATA_PACKED_LEN: usize = KH * KW * IC * GOCP;
-        const DATA_LAYOUT: u64 = #layout;
+        const __DATA_PACKED_LEN: usize = __KH * __KW * __IC * __GOCP;
+        const __DATA_LAYOUT: u64 = #layout;
 
         /// OHWI weights -> `[kh][kw][ic][oc padded to GOCP]`. Once per parameter change.
-        fn pack_data(w: &[__T], out: &mut [__A]) {
+        fn __pack_data(w: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
             out.fill(0.0);
-            for k in 0..OC {
-                for r in 0..KH * KW {
-                    for c in 0..IC {
-                        out[(r * IC + c) * GOCP + k] = w[(k * KH * KW + r) * IC + c].to_acc();
+            for k in 0..__OC {
+                for r in 0..__KH * __KW {
+                    for c in 0..__IC {
+                        out[(r * __IC + c) * __GOCP + k] = w[(k * __KH * __KW + r) * __IC + c].to_acc();
                     }
                 }
             }
         }
 
         /// `dz` into the zero-bordered, channel-padded `zp`, every element written.
-        fn pad_gradient(dz: &[__A], zp: &mut [__A]) {
-            for n in 0..BATCH {
-                for zh in 0..ZH {
-                    let row = &mut zp[(n * ZH + zh) * ZW * GOCP..][..ZW * GOCP];
-                    if zh < TPH || zh >= TPH + OH {
+        fn __pad_gradient(dz: &[__A], zp: &mut [__A]) {
+            for n in 0..__BATCH {
+                for zh in 0..__ZH {
+                    let row = &mut zp[(n * __ZH + zh) * __ZW * __GOCP..][..__ZW * __GOCP];
+                    if zh < __TPH || zh >= __TPH + __OH {
                         row.fill(0.0);
                         continue;
                     }
-                    row[..TPW * GOCP].fill(0.0);
-                    row[(TPW + OW) * GOCP..].fill(0.0);
-                    let src = &dz[(n * OH + zh - TPH) * OW * OC..][..OW * OC];
-                    for (dst, src) in row[TPW * GOCP..(TPW + OW) * GOCP]
-                        .chunks_exact_mut(GOCP)
-                        .zip(src.chunks_exact(OC))
+                    row[..__TPW * __GOCP].fill(0.0);
+                    row[(__TPW + __OW) * __GOCP..].fill(0.0);
+                    let src = &dz[(n * __OH + zh - __TPH) * __OW * __OC..][..__OW * __OC];
+                    for (dst, src) in row[__TPW * __GOCP..(__TPW + __OW) * __GOCP]
+                        .chunks_exact_mut(__GOCP)
+                        .zip(src.chunks_exact(__OC))
                     {
-                        dst[..OC].copy_from_slice(src);
-                        dst[OC..].fill(0.0);
+                        dst[..__OC].copy_from_slice(src);
+                        dst[__OC..].fill(0.0);
                     }
                 }
             }
@@ -360,12 +360,12 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        dx_len: quote!(BATCH * ZH * ZW * GOCP),
+        dx_len: quote!(__BATCH * __ZH * __ZW * __GOCP),
         prepare: TokenStream::new(),
         run: quote! {
-            pad_gradient(&dz[..BATCH * NPIX * OC], dx);
+            __pad_gradient(&dz[..__BATCH * __NPIX * __OC], dx);
             // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-            unsafe { gather_tiles(dx, packed, d_input) };
+            unsafe { __gather_tiles(dx, packed, d_input) };
         },
     }
 }
@@ -376,15 +376,15 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let l = blk.lanes;
     let calls = blk.calls("weight_tile", false, |tile, first| {
         quote! {
-            let dsts: [*mut __A; P] = ::core::array::from_fn(|i| rows[i].add(#first));
-            #tile::<S>(x, &xoff[..count], &offs, dz.add(q0 * OC + #first), &dsts);
+            let dsts: [*mut __A; __P] = ::core::array::from_fn(|i| rows[i].add(#first));
+            #tile::<__S>(x, &xoff[..count], &offs, dz.add(q0 * __OC + #first), &dsts);
         }
     });
     let tiles = blk.kinds().into_iter().map(|(nv, last)| {
-        let name = format_ident!("weight_tile_{}_{}", nv, last);
+        let name = format_ident!("__weight_tile_{}_{}", nv, last);
         let init = init_accumulators(blk.p, nv, |i, v| {
             let (i, off) = (lit(i), lit(v * l));
-            quote!(S::load(dsts[#i].add(#off)))
+            quote!(__S::load(dsts[#i].add(#off)))
         });
         let step = fma_step(
             blk.p,
@@ -407,13 +407,13 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
         quote! {
             /// Adds `x[pixel + offs[i]] * dz[pixel]` over the chunk's pixels into `P` rows.
             #[inline(always)]
-            unsafe fn #name<S: #rt::Simd<Elem = __A>>(
-                x: *const __A, xoff: &[usize], offs: &[usize; P], dz: *const __A,
-                dsts: &[*mut __A; P],
+            unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
+                x: *const __A, xoff: &[usize], offs: &[usize; __P], dz: *const __A,
+                dsts: &[*mut __A; __P],
             ) {
                 #init
                 for (k, &o) in xoff.iter().enumerate() {
-                    let (xq, dzq) = (x.add(o), dz.add(k * OC));
+                    let (xq, dzq) = (x.add(o), dz.add(k * __OC));
                     #step
                 }
                 #stores
@@ -428,41 +428,41 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
         quote!(x: &[__A], dz: &[__A], dw: &mut [__A]),
         quote!(x, dz, dw),
         quote! {
-            ::core::debug_assert!(x.len() >= BATCH * XH * XW * IC);
-            ::core::debug_assert!(dz.len() >= BATCH * NPIX * OC + L && dw.len() == (WINDOW + 1) * OCP);
-            let total = BATCH * NPIX;
+            ::core::debug_assert!(x.len() >= __BATCH * __XH * __XW * __IC);
+            ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC + __L && dw.len() == (__WINDOW + 1) * __OCP);
+            let total = __BATCH * __NPIX;
             let (x, dz, dw) = (x.as_ptr(), dz.as_ptr(), dw.as_mut_ptr());
             let mut q0 = 0;
             while q0 < total {
-                let count = if total - q0 < CHUNK { total - q0 } else { CHUNK };
-                let mut xoff = [0usize; CHUNK];
+                let count = if total - q0 < __CHUNK { total - q0 } else { __CHUNK };
+                let mut xoff = [0usize; __CHUNK];
                 for (k, o) in xoff[..count].iter_mut().enumerate() {
-                    let (n, r) = ((q0 + k) / NPIX, (q0 + k) % NPIX);
-                    let (oh, ow) = (r / OW, r % OW);
-                    *o = ((n * XH + oh * SH) * XW + ow * SW) * IC;
+                    let (n, r) = ((q0 + k) / __NPIX, (q0 + k) % __NPIX);
+                    let (oh, ow) = (r / __OW, r % __OW);
+                    *o = ((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC;
                 }
                 let mut r0 = 0;
-                while r0 < WINDOW {
+                while r0 < __WINDOW {
                     // Positions past the window repeat the last one into the sink row.
-                    let offs: [usize; P] = ::core::array::from_fn(|i| {
-                        let r = if r0 + i < WINDOW { r0 + i } else { WINDOW - 1 };
-                        (r / SEG) * XW * IC + r % SEG
+                    let offs: [usize; __P] = ::core::array::from_fn(|i| {
+                        let r = if r0 + i < __WINDOW { r0 + i } else { __WINDOW - 1 };
+                        (r / __SEG) * __XW * __IC + r % __SEG
                     });
-                    let rows: [*mut __A; P] = ::core::array::from_fn(|i| {
-                        dw.add(if r0 + i < WINDOW { r0 + i } else { WINDOW } * OCP)
+                    let rows: [*mut __A; __P] = ::core::array::from_fn(|i| {
+                        dw.add(if r0 + i < __WINDOW { r0 + i } else { __WINDOW } * __OCP)
                     });
                     #calls
-                    r0 += P;
+                    r0 += __P;
                 }
-                q0 += CHUNK;
+                q0 += __CHUNK;
             }
         },
     );
     let chunk = lit(CHUNK);
     quote! {
-        const CHUNK: usize = #chunk;
+        const __CHUNK: usize = #chunk;
         /// Window positions per kernel row (`KW * IC`, contiguous in NHWC).
-        const SEG: usize = KW * IC;
+        const __SEG: usize = __KW * __IC;
         #kernel
         #(#tiles)*
     }
@@ -474,7 +474,7 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     let rt = rt();
     let input = if staged(spec) {
         quote! {
-            stage::<BATCH>(x, x_scratch);
+            __stage::<{ __BATCH }>(x, x_scratch);
             let xa: &[__A] = x_scratch;
         }
     } else {
@@ -493,45 +493,45 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
             let (data, weights) = (d_input.is_some(), grads.is_some());
             let (key, packed_len) = if data {
                 let stamps = [layer.weights.stamp(), 0];
-                (#rt::PackKey { stamps, layout: DATA_LAYOUT }, DATA_PACKED_LEN)
+                (#rt::PackKey { stamps, layout: __DATA_LAYOUT }, __DATA_PACKED_LEN)
             } else {
                 (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
             };
             let dx_len = if data { #dx_len } else { 0 };
-            let dw_len = if weights { (WINDOW + 1) * OCP } else { 0 };
-            let x_len = if weights && STAGED { BATCH * XH * XW * IC } else { 0 };
-            let lens = (BATCH * NPIX * OC + L) + OC + dx_len + dw_len + x_len;
+            let dw_len = if weights { (__WINDOW + 1) * __OCP } else { 0 };
+            let x_len = if weights && __STAGED { __BATCH * __XH * __XW * __IC } else { 0 };
+            let lens = (__BATCH * __NPIX * __OC + __L) + __OC + dx_len + dw_len + x_len;
             let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
                 key,
                 packed_len,
                 |out| {
                     if data {
-                        pack_data(layer.weights.as_slice(), out)
+                        __pack_data(layer.weights.as_slice(), out)
                     }
                 },
                 lens,
             );
             // `dz` has `L` zeros past its end for the weight kernel's whole-vector loads.
-            let (dz, rest) = scratch.split_at_mut(BATCH * NPIX * OC + L);
-            let (zero_row, rest) = rest.split_at_mut(OC);
+            let (dz, rest) = scratch.split_at_mut(__BATCH * __NPIX * __OC + __L);
+            let (zero_row, rest) = rest.split_at_mut(__OC);
             let (dx, rest) = rest.split_at_mut(dx_len);
             let (dw, x_scratch) = rest.split_at_mut(dw_len);
             // Scratch is not cleared by the device: zero what is accumulated into or read as 0.
-            dz[BATCH * NPIX * OC..].fill(0.0);
+            dz[__BATCH * __NPIX * __OC..].fill(0.0);
             zero_row.fill(0.0);
             #prepare
             dw.fill(0.0);
-            d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..BATCH * NPIX * OC]);
+            __d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..__BATCH * __NPIX * __OC]);
 
             if let ::core::option::Option::Some(g) = grads {
                 #input
                 #bias
                 // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-                unsafe { weight_tiles(xa, dz, dw) };
+                unsafe { __weight_tiles(xa, dz, dw) };
                 let gw = g.weights.as_mut_slice();
-                for r in 0..WINDOW {
-                    for c in 0..OC {
-                        gw[c * WINDOW + r] += dw[r * OCP + c];
+                for r in 0..__WINDOW {
+                    for c in 0..__OC {
+                        gw[c * __WINDOW + r] += dw[r * __OCP + c];
                     }
                 }
             }
@@ -555,7 +555,7 @@ pub fn pass_fn(spec: &Spec, body: TokenStream) -> TokenStream {
     } = Names::of(spec);
     quote! {
         #[allow(clippy::too_many_arguments)]
-        fn backward_pass(
+        fn __backward_pass(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             state: &#state,
@@ -576,10 +576,10 @@ pub fn bias_gradient() -> TokenStream {
     quote! {
         // Summed in a local copy (same order): stores through the gradient's slice may alias
         // `dz` for all the compiler knows, which kept the loop scalar.
-        let db = &mut g.biases.as_mut_slice()[..OC];
-        let mut sum: [_; OC] = ::core::array::from_fn(|c| db[c]);
-        for px in dz[..BATCH * NPIX * OC].chunks_exact(OC) {
-            for c in 0..OC {
+        let db = &mut g.biases.as_mut_slice()[..__OC];
+        let mut sum: [_; __OC] = ::core::array::from_fn(|c| db[c]);
+        for px in dz[..__BATCH * __NPIX * __OC].chunks_exact(__OC) {
+            for c in 0..__OC {
                 sum[c] += px[c];
             }
         }

@@ -114,16 +114,16 @@ fn stage_fn(spec: &Spec) -> TokenStream {
     let rt = rt();
     if staged(spec) {
         quote! {
-            const STAGED: bool = true;
+            const __STAGED: bool = true;
             /// Copies `B` images into `xa` (`B * XH * XW * IC`) inside a zero border.
-            fn stage<const __B: usize>(x: &[__T], xa: &mut [__A]) {
-                if PH + PW > 0 {
+            fn __stage<const __B: usize>(x: &[__T], xa: &mut [__A]) {
+                if __PH + __PW > 0 {
                     xa.fill(0.0);
                 }
                 for n in 0..__B {
-                    for h in 0..IH {
-                        let src = &x[(n * IH + h) * IW * IC..][..IW * IC];
-                        let dst = &mut xa[((n * XH + h + PH) * XW + PW) * IC..][..IW * IC];
+                    for h in 0..__IH {
+                        let src = &x[(n * __IH + h) * __IW * __IC..][..__IW * __IC];
+                        let dst = &mut xa[((n * __XH + h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
                         <__T as #rt::Element>::to_acc_slice(src, dst);
                     }
                 }
@@ -131,7 +131,7 @@ fn stage_fn(spec: &Spec) -> TokenStream {
         }
     } else {
         quote! {
-            const STAGED: bool = false;
+            const __STAGED: bool = false;
         }
     }
 }
@@ -142,7 +142,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let layer = &spec.ident;
     let block_calls = blk.calls("tile", true, |tile, first| {
         quote! {
-            #tile::<S, RELU>(&xs, w.add(WINDOW * #first), w.add(BIAS_OFFSET + #first), out.add(#first));
+            #tile::<__S, { __RELU }>(&xs, w.add(__WINDOW * #first), w.add(__BIAS_OFFSET + #first), out.add(#first));
         }
     });
     let block = lit(blk.v * blk.lanes);
@@ -152,14 +152,14 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         .map(|(nv, last)| forward_tile(spec, blk, nv, last));
     let layout = layout_id(spec, 1);
     let staged_len = if staged(spec) {
-        quote!(__B * XH * XW * IC)
+        quote!(__B * __XH * __XW * __IC)
     } else {
         quote!(0)
     };
     let stage_call = if staged(spec) {
         quote! {
-            let (xa, rest) = ws.scratch.split_at_mut(__B * XH * XW * IC);
-            stage::<__B>(x, xa);
+            let (xa, rest) = ws.scratch.split_at_mut(__B * __XH * __XW * __IC);
+            __stage::<{ __B }>(x, xa);
             let xa: &[__A] = xa;
         }
     } else {
@@ -169,37 +169,37 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let kernel = dispatched(
         spec.dtype,
         "conv_tiles",
-        quote!(const __B: usize, const RELU: bool),
-        quote!(__B, RELU),
+        quote!(const __B: usize, const __RELU: bool),
+        quote!({ __B }, { __RELU }),
         quote! {
             x: &[__A], w: &[__A], y: &mut [__A], tail: &mut [__A],
-            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
         },
         quote!(x, w, y, tail, epilogue),
         quote! {
-            ::core::debug_assert!(x.len() >= __B * XH * XW * IC && w.len() == PACKED_LEN);
-            ::core::debug_assert!(y.len() == __B * NPIX * OC && tail.len() == P * OC);
-            let total = __B * NPIX;
+            ::core::debug_assert!(x.len() >= __B * __XH * __XW * __IC && w.len() == __PACKED_LEN);
+            ::core::debug_assert!(y.len() == __B * __NPIX * __OC && tail.len() == __P * __OC);
+            let total = __B * __NPIX;
             let (x, w) = (x.as_ptr(), w.as_ptr());
             let mut q0 = 0;
             while q0 < total {
-                let valid = if total - q0 < P { total - q0 } else { P };
+                let valid = if total - q0 < __P { total - q0 } else { __P };
                 // Pixels past the end of a partial tile repeat the last one; their results go
                 // to `tail` and are dropped.
-                let xs: [*const __A; P] = ::core::array::from_fn(|p| {
+                let xs: [*const __A; __P] = ::core::array::from_fn(|p| {
                     let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / NPIX, q % NPIX);
-                    let (oh, ow) = (r / OW, r % OW);
-                    x.add(((n * XH + oh * SH) * XW + ow * SW) * IC)
+                    let (n, r) = (q / __NPIX, q % __NPIX);
+                    let (oh, ow) = (r / __OW, r % __OW);
+                    x.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
                 });
                 let out: *mut __A =
-                    if valid == P { y.as_mut_ptr().add(q0 * OC) } else { tail.as_mut_ptr() };
+                    if valid == __P { y.as_mut_ptr().add(q0 * __OC) } else { tail.as_mut_ptr() };
                 #block_calls
-                if valid < P {
-                    y[q0 * OC..(q0 + valid) * OC].copy_from_slice(&tail[..valid * OC]);
+                if valid < __P {
+                    y[q0 * __OC..(q0 + valid) * __OC].copy_from_slice(&tail[..valid * __OC]);
                 }
-                epilogue(&mut y[q0 * OC..(q0 + valid) * OC], q0, valid);
-                q0 += P;
+                epilogue(&mut y[q0 * __OC..(q0 + valid) * __OC], q0, valid);
+                q0 += __P;
             }
         },
     );
@@ -209,33 +209,33 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         /// `epilogue(tile results, first pixel, pixels)` run on each finished tile while it is
         /// in cache. `RELU` applies ReLU in registers.
         #[inline(always)]
-        fn conv<const __B: usize, const RELU: bool>(
+        fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
             ya: ::core::option::Option<&mut [__A]>,
-            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
                 layout: #layout,
             };
-            let y_scratch = if ya.is_some() { 0 } else { __B * NPIX * OC };
+            let y_scratch = if ya.is_some() { 0 } else { __B * __NPIX * __OC };
             let ws = cpu.__workspace::<__A>(
                 key,
-                PACKED_LEN,
-                |out| pack(layer.weights.as_slice(), layer.biases.as_slice(), out),
-                #staged_len + P * OC + y_scratch,
+                __PACKED_LEN,
+                |out| __pack(layer.weights.as_slice(), layer.biases.as_slice(), out),
+                #staged_len + __P * __OC + y_scratch,
             );
             let w = ws.packed;
             #stage_call
-            let (tail, rest) = rest.split_at_mut(P * OC);
+            let (tail, rest) = rest.split_at_mut(__P * __OC);
             let ya: &mut [__A] = match ya {
                 ::core::option::Option::Some(y) => y,
-                ::core::option::Option::None => &mut rest[..__B * NPIX * OC],
+                ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
             };
             // SAFETY: every slice has the length the kernel is built on (checked in debug).
-            unsafe { conv_tiles::<__B, RELU>(xa, w, ya, tail, epilogue) }
+            unsafe { __conv_tiles::<{ __B }, { __RELU }>(xa, w, ya, tail, epilogue) }
         }
 
         #kernel
@@ -243,18 +243,18 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         /// OHWI weights -> `[block][kh][kw][ic][lanes]`, zero-padded, then the biases.
         /// Runs once per parameter change: a plain loop nest (unrolling it would only grow the
         /// code).
-        fn pack(w: &[__T], b: &[__T], out: &mut [__A]) {
+        fn __pack(w: &[__T], b: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            for oc in 0..OC {
+            for oc in 0..__OC {
                 // The block holding `oc`: full blocks are `BLOCK` wide, the last one may be less.
                 let first = oc / #block * #block;
-                let width = if OCP - first < #block { OCP - first } else { #block };
-                for k in 0..WINDOW {
-                    out[WINDOW * first + k * width + (oc - first)] = w[oc * WINDOW + k].to_acc();
+                let width = if __OCP - first < #block { __OCP - first } else { #block };
+                for k in 0..__WINDOW {
+                    out[__WINDOW * first + k * width + (oc - first)] = w[oc * __WINDOW + k].to_acc();
                 }
             }
-            for c in 0..OC {
-                out[BIAS_OFFSET + c] = b[c].to_acc();
+            for c in 0..__OC {
+                out[__BIAS_OFFSET + c] = b[c].to_acc();
             }
         }
 
@@ -266,12 +266,12 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
 /// stored (ReLU applied in registers when `RELU`).
 fn forward_tile(spec: &Spec, blk: &Blocking, nv: usize, last_lanes: usize) -> TokenStream {
     let rt = rt();
-    let name = format_ident!("tile_{}_{}", nv, last_lanes);
+    let name = format_ident!("__tile_{}_{}", nv, last_lanes);
     let (p, l) = (blk.p, blk.lanes);
     let width = lit(nv * l);
     let init = init_accumulators(p, nv, |_, v| {
         let off = lit(v * l);
-        quote!(S::load(bias.add(#off)))
+        quote!(__S::load(bias.add(#off)))
     });
     let step = fma_step(
         p,
@@ -295,21 +295,21 @@ fn forward_tile(spec: &Spec, blk: &Blocking, nv: usize, last_lanes: usize) -> To
             None => quote!(#acc.store(y.add(#off));),
         };
         quote! {
-            if RELU { #acc = #acc.max(S::zero()); }
+            if __RELU { #acc = #acc.max(__S::zero()); }
             #store
         }
     });
     let rows = (0..p).map(lit);
     quote! {
         #[inline(always)]
-        unsafe fn #name<S: #rt::Simd<Elem = __A>, const RELU: bool>(
-            xs: &[*const __A; P], w: *const __A, bias: *const __A, y: *mut __A,
+        unsafe fn #name<__S: #rt::Simd<Elem = __A>, const __RELU: bool>(
+            xs: &[*const __A; __P], w: *const __A, bias: *const __A, y: *mut __A,
         ) {
             #init
-            for kh in 0..KH {
-                let rows: [*const __A; P] = [#(xs[#rows].add(kh * XW * IC)),*];
-                let wr = w.add(kh * KW * IC * #width);
-                for j in 0..KW * IC {
+            for kh in 0..__KH {
+                let rows: [*const __A; __P] = [#(xs[#rows].add(kh * __XW * __IC)),*];
+                let wr = w.add(kh * __KW * __IC * #width);
+                for j in 0..__KW * __IC {
                     #step
                 }
             }
@@ -337,16 +337,16 @@ fn operations(spec: &Spec) -> TokenStream {
         Norm::None if half => (
             quote! {
                 let out = output.as_mut_slice();
-                conv::<__B, #relu>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
                     if !#relu { #apply(ya); }
-                    #store(ya, &mut out[q0 * OC..(q0 + n) * OC]);
+                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
                 });
             },
             quote! {
                 let pre = state.pre_activation.as_mut_slice();
                 let out = state.output.as_mut_slice();
-                conv::<BATCH, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
-                    let range = q0 * OC..(q0 + n) * OC;
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                    let range = q0 * __OC..(q0 + n) * __OC;
                     #store(ya, &mut pre[range.clone()]);
                     #apply(ya);
                     #store(ya, &mut out[range]);
@@ -356,14 +356,14 @@ fn operations(spec: &Spec) -> TokenStream {
         Norm::None => (
             quote! {
                 // The tiles are the output itself: the activation runs in place, in cache.
-                conv::<__B, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &mut |ya, _, _| {
+                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &mut |ya, _, _| {
                     if !#relu { #apply(ya); }
                 });
             },
             quote! {
                 let out = state.output.as_mut_slice();
-                conv::<BATCH, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &mut |ya, q0, n| {
-                    #rt::activation::apply_to::<#act, _>(ya, &mut out[q0 * OC..(q0 + n) * OC]);
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &mut |ya, q0, n| {
+                    #rt::activation::apply_to::<#act, _>(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
                 });
             },
         ),
@@ -371,33 +371,33 @@ fn operations(spec: &Spec) -> TokenStream {
             quote! {
                 // Running statistics fold into one scale and shift per channel, applied to
                 // each tile while it is in cache.
-                let (scale, shift) = eval_affine(layer);
+                let (scale, shift) = __eval_affine(layer);
                 let out = output.as_mut_slice();
-                conv::<__B, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
-                    for px in ya.chunks_exact_mut(OC) {
-                        for c in 0..OC {
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                    for px in ya.chunks_exact_mut(__OC) {
+                        for c in 0..__OC {
                             px[c] = #f(px[c] * scale[c] + shift[c]);
                         }
                     }
-                    #store(ya, &mut out[q0 * OC..(q0 + n) * OC]);
+                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
                 });
             },
             quote! {
-                conv_to_state(self, layer, input.as_slice(), state);
-                norm_forward(layer, state, mode);
+                __conv_to_state(self, layer, input.as_slice(), state);
+                __norm_forward(layer, state, mode);
             },
         ),
         Norm::LayerNorm { .. } => (
             quote! {
                 let out = output.as_mut_slice();
-                conv::<__B, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
-                    #store(ya, &mut out[q0 * OC..(q0 + n) * OC]);
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
                 });
-                evaluate_norm(layer, out);
+                __evaluate_norm(layer, out);
             },
             quote! {
-                conv_to_state(self, layer, input.as_slice(), state);
-                norm_forward(layer, state, mode);
+                __conv_to_state(self, layer, input.as_slice(), state);
+                __norm_forward(layer, state, mode);
             },
         ),
     };
@@ -416,15 +416,15 @@ fn operations(spec: &Spec) -> TokenStream {
             #ok
         },
         "backward_input" => quote! {
-            backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode);
+            __backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode);
             #ok
         },
         "backward" => quote! {
-            backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode);
+            __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode);
             #ok
         },
         _ => quote! {
-            backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode);
+            __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode);
             #ok
         },
     })

@@ -416,7 +416,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
         let (kh, kw) = (lit(spec.kernel[0]), lit(spec.kernel[1]));
         quote! {
             ::core::option::Option::Some(#rt::cuda::ConvGeometry {
-                in_h: IH, in_w: IW, in_c: IC, out_h: OH, out_w: OW, out_c: OC,
+                in_h: __IH, in_w: __IW, in_c: __IC, out_h: __OH, out_w: __OW, out_c: __OC,
                 kernel: [#kh, #kw], stride: [#sh, #sw], padding: [#ph, #pw], double: #double,
             })
         }
@@ -487,7 +487,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     // Widened copies for cuDNN in f32 (half layers).
     let widen_fn = (half && !direct).then(|| {
         quote! {
-            fn widen(s: &Session<'_>, src: &Buf, n: usize) -> #rt::Result<Buf> {
+            fn __widen(s: &Session<'_>, src: &Buf, n: usize) -> #rt::Result<Buf> {
                 let dst = s.zeros::<__A>(n)?;
                 s.launch("widen", blocks_for(n), &[Arg::Long(n), Arg::Buf(src), Arg::Buf(&dst)])?;
                 #ok(dst)
@@ -497,15 +497,15 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     let narrow = |n: TokenStream, src: TokenStream, dst: TokenStream| quote!(s.launch("narrow", blocks_for(#n), &[Arg::Long(#n), Arg::Buf(#src), Arg::Buf(#dst)])?;);
     let conv_body = match (direct, half) {
         (true, _) => quote! {
-            s.launch("conv_forward", blocks_for(batch * NPIX * OC), &[Arg::Int(batch), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(y)])?;
+            s.launch("conv_forward", blocks_for(batch * __NPIX * __OC), &[Arg::Int(batch), Arg::Buf(x), Arg::Buf(w), Arg::Buf(b), Arg::Buf(y)])?;
         },
         (false, false) => quote! {
             s.conv_forward(batch, x, w, b, y)?;
         },
         (false, true) => quote! {
-            let xa = widen(s, x, batch * IH * IW * IC)?;
-            let wa = widen(s, w, OC * WINDOW)?;
-            let ba = widen(s, b, OC)?;
+            let xa = __widen(s, x, batch * __IH * __IW * __IC)?;
+            let wa = __widen(s, w, __OC * __WINDOW)?;
+            let ba = __widen(s, b, __OC)?;
             s.conv_forward(batch, &xa, &wa, &ba, y)?;
         },
     };
@@ -515,16 +515,16 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
         // The separate calls where cuDNN turns the fused one down (`conv_forward_relu` says so).
         Norm::None if fused && !half => quote! {
             if !s.conv_forward_relu(__B, x, w, b, out)? {
-                conv(s, __B, x, w, b, out)?;
+                __conv(s, __B, x, w, b, out)?;
                 s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(out), Arg::Buf(out)])?;
             }
         },
         Norm::None if fused => {
             let narrow = narrow(quote!(count), quote!(&y), quote!(out));
             quote! {
-                let xa = widen(s, x, __B * IH * IW * IC)?;
-                let wa = widen(s, w, OC * WINDOW)?;
-                let ba = widen(s, b, OC)?;
+                let xa = __widen(s, x, __B * __IH * __IW * __IC)?;
+                let wa = __widen(s, w, __OC * __WINDOW)?;
+                let ba = __widen(s, b, __OC)?;
                 let y = s.zeros::<__A>(count)?;
                 if s.conv_forward_relu(__B, &xa, &wa, &ba, &y)? {
                     #narrow
@@ -539,12 +539,12 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
         },
         Norm::None => quote! {
             let y = s.zeros::<__A>(count)?;
-            conv(s, __B, x, w, b, &y)?;
+            __conv(s, __B, x, w, b, &y)?;
             s.launch("activation_evaluate", blocks_for(count), &[Arg::Long(count), Arg::Buf(&y), Arg::Buf(out)])?;
         },
         Norm::BatchNorm { .. } => quote! {
             let y = s.zeros::<__A>(count)?;
-            conv(s, __B, x, w, b, &y)?;
+            __conv(s, __B, x, w, b, &y)?;
             s.launch("bn_evaluate", blocks_for(count), &[Arg::Int(__B), Arg::Buf(&y), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Buf(self.running_mean.__buf()), Arg::Buf(self.running_var.__buf()), Arg::Buf(out)])?;
         },
         Norm::LayerNorm { .. } => {
@@ -552,11 +552,11 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 let narrow = narrow(quote!(count), quote!(&y), quote!(out));
                 quote! {
                     let y = s.zeros::<__A>(count)?;
-                    conv(s, __B, x, w, b, &y)?;
+                    __conv(s, __B, x, w, b, &y)?;
                     #narrow
                 }
             } else {
-                quote!(conv(s, __B, x, w, b, out)?;)
+                quote!(__conv(s, __B, x, w, b, out)?;)
             };
             quote! {
                 #rounded
@@ -579,12 +579,12 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
             let y = if half {
                 quote! {
                     let y = s.zeros::<__A>(n)?;
-                    conv(s, BATCH, x, w, b, &y)?;
+                    __conv(s, __BATCH, x, w, b, &y)?;
                     let y = &y;
                 }
             } else {
                 quote! {
-                    conv(s, BATCH, x, w, b, state.pre_activation.__buf_mut())?;
+                    __conv(s, __BATCH, x, w, b, state.pre_activation.__buf_mut())?;
                     let y = state.pre_activation.__buf();
                 }
             };
@@ -599,29 +599,29 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 let narrow = narrow(quote!(n), quote!(&y), quote!(state.conv.__buf_mut()));
                 quote! {
                     let y = s.zeros::<__A>(n)?;
-                    conv(s, BATCH, x, w, b, &y)?;
+                    __conv(s, __BATCH, x, w, b, &y)?;
                     #narrow
                 }
             } else {
-                quote!(conv(s, BATCH, x, w, b, state.conv.__buf_mut())?;)
+                quote!(__conv(s, __BATCH, x, w, b, state.conv.__buf_mut())?;)
             };
             let stats = match norm {
                 Norm::BatchNorm { .. } => quote! {
                     if ::core::matches!(mode, #rt::Mode::Train) {
-                        s.launch("bn_stats_train", OC, &[Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut()), Arg::Buf(self.running_mean.__buf_mut()), Arg::Buf(self.running_var.__buf_mut())])?;
+                        s.launch("bn_stats_train", __OC, &[Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut()), Arg::Buf(self.running_mean.__buf_mut()), Arg::Buf(self.running_var.__buf_mut())])?;
                     } else {
-                        s.launch("bn_stats_eval", blocks_for(OC), &[Arg::Buf(self.running_mean.__buf()), Arg::Buf(self.running_var.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
+                        s.launch("bn_stats_eval", blocks_for(__OC), &[Arg::Buf(self.running_mean.__buf()), Arg::Buf(self.running_var.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
                     }
                 },
                 _ => quote! {
                     let _ = mode;
-                    s.launch("ln_stats", BATCH, &[Arg::Int(BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
+                    s.launch("ln_stats", __BATCH, &[Arg::Int(__BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf_mut()), Arg::Buf(state.inv_std.__buf_mut())])?;
                 },
             };
             quote! {
                 #rounded
                 #stats
-                s.launch("norm_affine", blocks_for(n), &[Arg::Int(BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Buf(state.pre_activation.__buf_mut()), Arg::Buf(state.output.__buf_mut())])?;
+                s.launch("norm_affine", blocks_for(n), &[Arg::Int(__BATCH), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(self.gamma.__buf()), Arg::Buf(self.beta.__buf()), Arg::Buf(state.pre_activation.__buf_mut()), Arg::Buf(state.output.__buf_mut())])?;
             }
         }
     };
@@ -636,27 +636,27 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 #none => (Arg::Null, Arg::Null),
             };
             let kernel = if ::core::matches!(mode, #rt::Mode::Train) { "bn_backward_train" } else { "bn_backward_eval" };
-            s.launch(kernel, OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf()), d_gamma, d_beta])?;
+            s.launch(kernel, __OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf()), d_gamma, d_beta])?;
         },
         Norm::LayerNorm { .. } => quote! {
             let _ = mode;
             if let #some(g) = grads.as_deref() {
-                s.launch("ln_param_grads", OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(g.gamma.__buf()), Arg::Buf(g.beta.__buf())])?;
+                s.launch("ln_param_grads", __OC, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(g.gamma.__buf()), Arg::Buf(g.beta.__buf())])?;
             }
-            s.launch("ln_backward", BATCH, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf())])?;
+            s.launch("ln_backward", __BATCH, &[Arg::Buf(&dz), Arg::Buf(state.conv.__buf()), Arg::Buf(state.mean.__buf()), Arg::Buf(state.inv_std.__buf()), Arg::Buf(layer.gamma.__buf())])?;
         },
     };
     let weight_grad = match (direct, half) {
         (true, _) => quote! {
-            s.launch("conv_backward_weights_partial", blocks_for(WEIGHT_ITEMS), &[Arg::Buf(x), Arg::Buf(&dz), Arg::Buf(&partials)])?;
-            s.launch("conv_backward_weights_finish", OC * WINDOW, &[Arg::Buf(&partials), Arg::Buf(grads.weights.__buf())])?;
+            s.launch("conv_backward_weights_partial", blocks_for(__WEIGHT_ITEMS), &[Arg::Buf(x), Arg::Buf(&dz), Arg::Buf(&partials)])?;
+            s.launch("conv_backward_weights_finish", __OC * __WINDOW, &[Arg::Buf(&partials), Arg::Buf(grads.weights.__buf())])?;
         },
         (false, false) => quote! {
-            s.conv_backward_filter(BATCH, x, &dz, grads.weights.__buf())?;
+            s.conv_backward_filter(__BATCH, x, &dz, grads.weights.__buf())?;
         },
         (false, true) => quote! {
-            let xa = widen(s, x, BATCH * IH * IW * IC)?;
-            s.conv_backward_filter(BATCH, &xa, &dz, grads.weights.__buf())?;
+            let xa = __widen(s, x, __BATCH * __IH * __IW * __IC)?;
+            s.conv_backward_filter(__BATCH, &xa, &dz, grads.weights.__buf())?;
         },
     };
     let data_grad = match (direct, half) {
@@ -664,14 +664,14 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
             s.launch("conv_backward_data", blocks_for(len), &[Arg::Buf(&dz), Arg::Buf(w), Arg::Buf(dx)])?;
         },
         (false, false) => quote! {
-            s.conv_backward_data(BATCH, w, &dz, dx)?;
+            s.conv_backward_data(__BATCH, w, &dz, dx)?;
         },
         (false, true) => {
             let narrow = narrow(quote!(len), quote!(&dxa), quote!(dx));
             quote! {
-                let wa = widen(s, w, OC * WINDOW)?;
+                let wa = __widen(s, w, __OC * __WINDOW)?;
                 let dxa = s.zeros::<__A>(len)?;
-                s.conv_backward_data(BATCH, &wa, &dz, &dxa)?;
+                s.conv_backward_data(__BATCH, &wa, &dz, &dxa)?;
                 #narrow
             }
         }
@@ -780,7 +780,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 type __A = #a;
                 #consts
 
-                static SETUP: #rt::cuda::LayerSetup = #rt::cuda::LayerSetup::new(
+                static __SETUP: #rt::cuda::LayerSetup = #rt::cuda::LayerSetup::new(
                     #layer::__CUDA_SOURCE,
                     #layer::__CUDA_KERNELS,
                     #geometry,
@@ -790,7 +790,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
 
                 /// The convolution with bias of `batch` images, into the accumulator-type `y`.
                 #[allow(dead_code)]
-                fn conv(s: &mut Session<'_>, batch: usize, x: &Buf, w: &Buf, b: &Buf, y: &Buf) -> #result {
+                fn __conv(s: &mut Session<'_>, batch: usize, x: &Buf, w: &Buf, b: &Buf, y: &Buf) -> #result {
                     #conv_body
                     #ok(())
                 }
@@ -798,7 +798,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                 /// Every backward operation: the input gradient when `d_input` is given, the
                 /// parameter gradients (accumulated) when `grads` is.
                 #[allow(clippy::too_many_arguments)]
-                fn backward_pass(
+                fn __backward_pass(
                     dev: &mut #cuda,
                     layer: &#cuda_layer,
                     state: &#cuda_state,
@@ -808,20 +808,20 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     grads: ::core::option::Option<&mut #cuda_grads>,
                     mode: #rt::Mode,
                 ) -> #result {
-                    let s = &mut dev.__session(&SETUP)?;
-                    let n = BATCH * NPIX * OC;
+                    let s = &mut dev.__session(&__SETUP)?;
+                    let n = __BATCH * __NPIX * __OC;
                     let dz = s.zeros::<__A>(n)?;
                     s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(d_output), Arg::Buf(state.pre_activation.__buf()), Arg::Buf(&dz)])?;
                     #norm_backward
                     if let (#some(grads), #some(x)) = (grads, input) {
-                        let partials = s.zeros::<__A>(SCRATCH)?;
-                        s.launch("bias_grad_partial", blocks_for(BIAS_ITEMS), &[Arg::Buf(&dz), Arg::Buf(&partials)])?;
-                        s.launch("bias_grad_finish", OC, &[Arg::Buf(&partials), Arg::Buf(grads.biases.__buf_mut())])?;
+                        let partials = s.zeros::<__A>(__SCRATCH)?;
+                        s.launch("bias_grad_partial", blocks_for(__BIAS_ITEMS), &[Arg::Buf(&dz), Arg::Buf(&partials)])?;
+                        s.launch("bias_grad_finish", __OC, &[Arg::Buf(&partials), Arg::Buf(grads.biases.__buf_mut())])?;
                         let _ = grads.weights.__buf_mut();
                         #weight_grad
                     }
                     if let #some(dx) = d_input {
-                        let len = BATCH * IH * IW * IC;
+                        let len = __BATCH * __IH * __IW * __IC;
                         let w = layer.weights.__buf();
                         let dx = &*dx;
                         #data_grad
@@ -834,7 +834,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     pub fn upload(dev: &#cuda, layer: &#layer) -> #rt::Result<Self> {
                         #ok(Self {
                             #(#names: <#param_tys>::upload(dev, &layer.#names)?,)*
-                            #(#running: <#rt::cuda::CudaVector<__A, OC>>::upload(dev, &layer.#running)?,)*
+                            #(#running: <#rt::cuda::CudaVector<__A, { __OC }>>::upload(dev, &layer.#running)?,)*
                         })
                     }
 
@@ -856,11 +856,11 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     pub fn evaluate<const __B: usize>(
                         &self,
                         dev: &mut #cuda,
-                        input: &#rt::cuda::CudaTensor<__T, __B, IH, IW, IC>,
-                        output: &mut #rt::cuda::CudaTensor<__T, __B, OH, OW, OC>,
+                        input: &#rt::cuda::CudaTensor<__T, { __B }, { __IH }, { __IW }, { __IC }>,
+                        output: &mut #rt::cuda::CudaTensor<__T, { __B }, { __OH }, { __OW }, { __OC }>,
                     ) -> #result {
-                        let s = &mut dev.__session(&SETUP)?;
-                        let count = __B * NPIX * OC;
+                        let s = &mut dev.__session(&__SETUP)?;
+                        let count = __B * __NPIX * __OC;
                         let (x, w, b) = (input.__buf(), self.weights.__buf(), self.biases.__buf());
                         let out: &Buf = output.__buf_mut();
                         #evaluate_body
@@ -876,8 +876,8 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                         state: &mut #cuda_state,
                         mode: #rt::Mode,
                     ) -> #result {
-                        let s = &mut dev.__session(&SETUP)?;
-                        let n = BATCH * NPIX * OC;
+                        let s = &mut dev.__session(&__SETUP)?;
+                        let n = __BATCH * __NPIX * __OC;
                         let (x, w, b) = (input.__buf(), self.weights.__buf(), self.biases.__buf());
                         #forward_body
                         #ok(())
@@ -892,7 +892,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                         d_input: &mut #x_ty,
                         mode: #rt::Mode,
                     ) -> #result {
-                        backward_pass(dev, self, state, #none, d_output.__buf(), #some(d_input.__buf_mut()), #none, mode)
+                        __backward_pass(dev, self, state, #none, d_output.__buf(), #some(d_input.__buf_mut()), #none, mode)
                     }
 
                     /// Adds the parameter gradients of the forward pass that filled `state` into
@@ -906,7 +906,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                         grads: &mut #cuda_grads,
                         mode: #rt::Mode,
                     ) -> #result {
-                        backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #none, #some(grads), mode)
+                        __backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #none, #some(grads), mode)
                     }
 
                     /// `backward_input` and `backward` in one pass.
@@ -921,7 +921,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                         grads: &mut #cuda_grads,
                         mode: #rt::Mode,
                     ) -> #result {
-                        backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #some(d_input.__buf_mut()), #some(grads), mode)
+                        __backward_pass(dev, self, state, #some(input.__buf()), d_output.__buf(), #some(d_input.__buf_mut()), #some(grads), mode)
                     }
                 }
 
@@ -932,7 +932,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     fn visit_cuda_mut(
                         &mut self,
                         grads: &#cuda_grads,
-                        f: &mut dyn FnMut(&str, &mut dyn #rt::cuda::CudaParamTensor, &Buf),
+                        f: &mut dyn ::core::ops::FnMut(&str, &mut dyn #rt::cuda::CudaParamTensor, &Buf),
                     ) {
                         #(f(::core::stringify!(#names), &mut self.#names, grads.#names.__buf());)*
                     }

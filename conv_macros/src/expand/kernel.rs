@@ -102,7 +102,7 @@ impl Blocking {
             .count();
         let mut out = TokenStream::new();
         if full > 0 {
-            let tile = format_ident!("{}_{}_{}", prefix, self.v, self.lanes);
+            let tile = format_ident!("__{}_{}_{}", prefix, self.v, self.lanes);
             let (count, width) = (lit(full), lit(self.v * self.lanes));
             let body = call(&tile, quote!(first));
             out.extend(quote! {
@@ -113,7 +113,7 @@ impl Blocking {
             });
         }
         for b in &blocks[full..] {
-            let tile = format_ident!("{}_{}_{}", prefix, b.nv, b.last_lanes);
+            let tile = format_ident!("__{}_{}_{}", prefix, b.nv, b.last_lanes);
             out.extend(call(&tile, lit(b.first * self.lanes).into_token_stream()));
         }
         out
@@ -169,16 +169,16 @@ pub fn fma_step(
 ) -> TokenStream {
     let loads = (0..nv).map(|v| {
         let (name, value) = (format_ident!("w_{}", v), load(v));
-        quote!(let #name = S::load(#value);)
+        quote!(let #name = __S::load(#value);)
     });
     let rows = (0..p).map(|i| {
         let (x, value) = (format_ident!("x_{}", i), broadcast(i));
         let fmas = (0..nv).map(|v| {
             let (acc, w) = (accumulator(i, v), format_ident!("w_{}", v));
-            quote!(#acc = S::fma(#x, #w, #acc);)
+            quote!(#acc = __S::fma(#x, #w, #acc);)
         });
         quote! {
-            let #x = S::splat(#value);
+            let #x = __S::splat(#value);
             #(#fmas)*
         }
     });
@@ -219,13 +219,13 @@ pub fn dispatched(
 ) -> TokenStream {
     let rt = rt();
     let (avx2, portable) = simd_types(dtype);
-    let name = format_ident!("{}", name);
+    let name = format_ident!("__{}", name);
     let kernel = format_ident!("{}_kernel", name);
     let avx2_fn = format_ident!("{}_avx2", name);
     let avx512_fn = format_ident!("{}_avx512vl", name);
     quote! {
         #[inline(always)]
-        unsafe fn #kernel<S: #rt::Simd<Elem = __A>, #generics>(#params) {
+        unsafe fn #kernel<__S: #rt::Simd<Elem = __A>, #generics>(#params) {
             #body
         }
 

@@ -142,14 +142,31 @@ fn lit(n: usize) -> Literal {
     Literal::usize_unsuffixed(n)
 }
 
-/// `const NAME: usize = value;` for each pair: the spec's numbers as constants of a generated
-/// block (not every block uses every one).
+/// `const __NAME: usize = value;` for each pair: the spec's numbers as constants of a generated
+/// block (not every block uses every one), private to the expansion by the `__` prefix.
 fn usize_consts(pairs: &[(&str, usize)]) -> TokenStream {
     let items = pairs.iter().map(|(name, value)| {
-        let (name, value) = (format_ident!("{}", name), lit(*value));
+        let (name, value) = (format_ident!("__{}", name), lit(*value));
         quote!(#[allow(dead_code)] const #name: usize = #value;)
     });
     quote!(#(#items)*)
+}
+
+/// The public items one spec defines, by name: the only names of an expansion without the `__`
+/// prefix (see `crate::hygiene`).
+pub fn public_names(spec: &Spec) -> Vec<String> {
+    let names = Names::of(spec);
+    let layer = &names.layer;
+    [
+        layer.to_string(),
+        names.grads.to_string(),
+        names.state.to_string(),
+        names.device.to_string(),
+        format!("{layer}Cuda"),
+        format!("{layer}CudaGrads"),
+        format!("{layer}CudaState"),
+    ]
+    .into()
 }
 
 /// The names of the items one spec defines.

@@ -75,21 +75,21 @@ fn native(spec: &Spec) -> TokenStream {
         _ => quote!(::core::option::Option::None),
     };
     let evaluate_post = match (norm, fused.is_some()) {
-        (true, _) => quote!(evaluate_norm(layer, output.as_mut_slice());),
+        (true, _) => quote!(__evaluate_norm(layer, output.as_mut_slice());),
         (false, true) => TokenStream::new(),
         (false, false) => quote!(#apply(output.as_mut_slice());),
     };
     let forward = if norm {
         quote! {
             let w = &layer.weights;
-            self.__conv_forward(&ONEDNN, BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.conv.as_mut_slice())?;
-            norm_forward(layer, state, mode);
+            self.__conv_forward(&__ONEDNN, __BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.conv.as_mut_slice())?;
+            __norm_forward(layer, state, mode);
         }
     } else {
         quote! {
             let _ = mode;
             let w = &layer.weights;
-            self.__conv_forward(&ONEDNN, BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.pre_activation.as_mut_slice())?;
+            self.__conv_forward(&__ONEDNN, __BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.pre_activation.as_mut_slice())?;
             let out = state.output.as_mut_slice();
             out.copy_from_slice(state.pre_activation.as_slice());
             #apply(out);
@@ -98,7 +98,7 @@ fn native(spec: &Spec) -> TokenStream {
     let methods = device_impl(spec, quote!(#rt::onednn::OneDnn), |method| match method {
         "evaluate" => quote! {
             let w = &layer.weights;
-            self.__conv_forward(&ONEDNN, __B, true, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), output.as_mut_slice())?;
+            self.__conv_forward(&__ONEDNN, __B, true, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), output.as_mut_slice())?;
             #evaluate_post
             ::core::result::Result::Ok(())
         },
@@ -107,36 +107,36 @@ fn native(spec: &Spec) -> TokenStream {
             ::core::result::Result::Ok(())
         },
         "backward_input" => quote! {
-            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
-            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::None, &mut dz);
+            let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
+            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::None, &mut dz);
             let w = &layer.weights;
-            self.__conv_backward_data(&ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())
+            self.__conv_backward_data(&__ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())
         },
         "backward" => quote! {
-            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
-            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
-            self.__conv_backward_weights(&ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
+            let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
+            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            self.__conv_backward_weights(&__ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
         },
         _ => quote! {
-            let mut dz = ::std::vec![0.0f32; BATCH * NPIX * OC];
-            d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
+            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
             let w = &layer.weights;
-            self.__conv_backward_data(&ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())?;
-            self.__conv_backward_weights(&ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
+            self.__conv_backward_data(&__ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())?;
+            self.__conv_backward_weights(&__ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
         },
     });
     quote! {
-        static ONEDNN: #rt::onednn::ConvSetup = #rt::onednn::ConvSetup::new(#rt::onednn::ConvGeometry {
-            batch: BATCH,
-            in_h: IH,
-            in_w: IW,
-            in_c: IC,
-            out_h: OH,
-            out_w: OW,
-            out_c: OC,
-            kernel: [KH, KW],
-            stride: [SH, SW],
-            padding: [PH, PW],
+        static __ONEDNN: #rt::onednn::ConvSetup = #rt::onednn::ConvSetup::new(#rt::onednn::ConvGeometry {
+            batch: __BATCH,
+            in_h: __IH,
+            in_w: __IW,
+            in_c: __IC,
+            out_h: __OH,
+            out_w: __OW,
+            out_c: __OC,
+            kernel: [__KH, __KW],
+            stride: [__SH, __SW],
+            padding: [__PH, __PW],
             fused: #fused_field,
         });
 

@@ -118,8 +118,8 @@ pub fn device_methods(spec: &Spec) -> Vec<DeviceMethod> {
             quote!(<const __B: usize>),
             quote! {
                 layer: &#layer,
-                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
-                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
+                input: &#rt::Tensor<#t, { __B }, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, { __B }, #oh, #ow, #oc>,
             },
         ),
         method(
@@ -381,11 +381,11 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
             /// Inference on any batch; BatchNorm uses the running statistics.
             #[inline]
-            pub fn evaluate<D: #device, const __B: usize>(
+            pub fn evaluate<__D: #device, const __B: usize>(
                 &self,
-                device: &mut D,
-                input: &#rt::Tensor<#t, __B, #ih, #iw, #ic>,
-                output: &mut #rt::Tensor<#t, __B, #oh, #ow, #oc>,
+                device: &mut __D,
+                input: &#rt::Tensor<#t, { __B }, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, { __B }, #oh, #ow, #oc>,
             ) -> #rt::Result<()> {
                 device.evaluate(self, input, output)
             }
@@ -393,9 +393,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// Forward pass on the training batch, keeping pre-activations and statistics in
             /// `state`. `Mode::Train` uses batch statistics and updates BatchNorm's running ones.
             #[inline]
-            pub fn forward<D: #device>(
+            pub fn forward<__D: #device>(
                 &mut self,
-                device: &mut D,
+                device: &mut __D,
                 input: &#x_ty,
                 state: &mut #state,
                 mode: #rt::Mode,
@@ -406,9 +406,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// Writes the gradient of the loss with respect to the input of the forward pass
             /// that filled `state` (run in `mode`) into `d_input`.
             #[inline]
-            pub fn backward_input<D: #device>(
+            pub fn backward_input<__D: #device>(
                 &self,
-                device: &mut D,
+                device: &mut __D,
                 state: &#state,
                 d_output: &#y_ty,
                 d_input: &mut #x_ty,
@@ -419,9 +419,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
             /// Adds the parameter gradients of the forward pass that filled `state` into `grads`.
             #[inline]
-            pub fn backward<D: #device>(
+            pub fn backward<__D: #device>(
                 &self,
-                device: &mut D,
+                device: &mut __D,
                 state: &#state,
                 input: &#x_ty,
                 d_output: &#y_ty,
@@ -434,9 +434,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// `backward_input` and `backward` in one pass over the data.
             #[inline]
             #[allow(clippy::too_many_arguments)]
-            pub fn backward_full<D: #device>(
+            pub fn backward_full<__D: #device>(
                 &self,
-                device: &mut D,
+                device: &mut __D,
                 state: &#state,
                 input: &#x_ty,
                 d_output: &#y_ty,
@@ -487,20 +487,20 @@ pub fn expand(spec: &Spec) -> TokenStream {
             fn visit_mut(
                 &mut self,
                 grads: &#grads,
-                f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#t>, &[#a]),
+                f: &mut dyn ::core::ops::FnMut(&str, &mut dyn #rt::ParamTensor<#t>, &[#a]),
             ) {
                 #(f(::core::stringify!(#names), &mut self.#names, grads.#names.as_slice());)*
             }
 
-            fn visit(&self, f: &mut dyn FnMut(&str, &[#t])) {
+            fn visit(&self, f: &mut dyn ::core::ops::FnMut(&str, &[#t])) {
                 #(f(::core::stringify!(#names), self.#names.as_slice());)*
             }
 
-            fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#t>)) {
+            fn visit_params_mut(&mut self, f: &mut dyn ::core::ops::FnMut(&str, &mut dyn #rt::ParamTensor<#t>)) {
                 #(f(::core::stringify!(#names), &mut self.#names);)*
             }
 
-            fn visit_buffers_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn #rt::ParamTensor<#a>)) {
+            fn visit_buffers_mut(&mut self, f: &mut dyn ::core::ops::FnMut(&str, &mut dyn #rt::ParamTensor<#a>)) {
                 let _ = &f;
                 #(f(::core::stringify!(#running_names), &mut self.#running_names);)*
             }

@@ -207,9 +207,9 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
     quote! {
         /// Whether tiles read the input in place (border windows from a zero-padded copy)
         /// rather than from staged slots: in the accumulator type, without space-to-depth.
-        const DIRECT_INPUT: bool = #direct;
+        const __DIRECT_INPUT: bool = #direct;
         #consts
-        type WV = #rt::winograd::#variant;
+        type __WV = #rt::winograd::#variant;
     }
 }
 
@@ -224,7 +224,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
     );
     let consts = constants(spec, plan);
     let layout = layout_id(spec, 3);
-    let gemm = product("wino_gemm", &oc_blk, quote!(WIC), quote!(OC));
+    let gemm = product("__wino_gemm", &oc_blk, quote!(__WIC), quote!(__OC));
     let tiles = gemm_tiles(spec, &[&oc_blk, &ic_blk]);
     let oc_block = lit(oc_blk.v * oc_blk.lanes);
     let helpers = helpers();
@@ -239,73 +239,73 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         quote!(w, b, out),
         quote! {
             use #rt::Element as _;
-            wino_weights(w, true, |e, k, c, values| {
+            __wino_weights(w, true, |e, k, c, values| {
                 let first = k / #oc_block * #oc_block;
-                let width = if OC - first < #oc_block { OC - first } else { #oc_block };
-                out[e * WIC * OC + WIC * first + c * width + (k - first)..][..L].copy_from_slice(values);
+                let width = if __OC - first < #oc_block { __OC - first } else { #oc_block };
+                out[e * __WIC * __OC + __WIC * first + c * width + (k - first)..][..__L].copy_from_slice(values);
             });
-            for k in 0..OC {
-                out[U_LEN + k] = b[k].to_acc();
+            for k in 0..__OC {
+                out[__U_LEN + k] = b[k].to_acc();
             }
         },
     );
     let kernel = dispatched(
         spec.dtype,
         "wino_tiles",
-        quote!(const __B: usize, const RELU: bool),
-        quote!(__B, RELU),
+        quote!(const __B: usize, const __RELU: bool),
+        quote!({ __B }, { __RELU }),
         quote! {
             x: &[__T], xs: &mut [__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: &mut [__A],
-            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
         },
         quote!(x, xs, u, v, m, y, epilogue),
         quote! {
-            ::core::debug_assert!(x.len() == __B * IMAGE && xs.len() >= XS_LEN);
-            ::core::debug_assert!(u.len() == U_LEN + OC);
-            ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && m.len() >= ELEMS * WCT * OC);
-            ::core::debug_assert!(y.len() == __B * NPIX * OC);
-            let rows_total = __B * WTH;
+            ::core::debug_assert!(x.len() == __B * __IMAGE && xs.len() >= __XS_LEN);
+            ::core::debug_assert!(u.len() == __U_LEN + __OC);
+            ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && m.len() >= __ELEMS * __WCT * __OC);
+            ::core::debug_assert!(y.len() == __B * __NPIX * __OC);
+            let rows_total = __B * __WTH;
             let (u, vp, mp) = (u.as_ptr(), v.as_mut_ptr(), m.as_mut_ptr());
-            let bias = u.add(U_LEN);
+            let bias = u.add(__U_LEN);
             let (mut r0, mut staged) = (0, 0);
             while r0 < rows_total {
-                let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
-                let count = rows * WTW;
-                while !DIRECT_INPUT && staged <= (r0 + rows - 1) / WTH {
-                    let slot = &mut xs[staged % SLOTS * STAGED_IMAGE..][..STAGED_IMAGE];
-                    wino_stage(&x[staged * IMAGE..][..IMAGE], slot);
+                let rows = if rows_total - r0 < __WROWS { rows_total - r0 } else { __WROWS };
+                let count = rows * __WTW;
+                while !__DIRECT_INPUT && staged <= (r0 + rows - 1) / __WTH {
+                    let slot = &mut xs[staged % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE];
+                    __wino_stage(&x[staged * __IMAGE..][..__IMAGE], slot);
                     staged += 1;
                 }
-                let source = if DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
-                wino_input::<S>(source, xs.as_mut_ptr(), vp, r0, count);
-                wino_gemm::<S>(vp, u, mp, count);
+                let source = if __DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
+                __wino_input::<__S>(source, xs.as_mut_ptr(), vp, r0, count);
+                __wino_gemm::<__S>(vp, u, mp, count);
                 let yp = y.as_mut_ptr();
                 for t in 0..count {
-                    let (g, tw) = (r0 + t / WTW, t % WTW);
-                    let (n, th) = (g / WTH, g % WTH);
-                    let (oh, ow) = (WM * th, WM * tw);
-                    let base = yp.add(((n * OH + oh) * OW + ow) * OC);
+                    let (g, tw) = (r0 + t / __WTW, t % __WTW);
+                    let (n, th) = (g / __WTH, g % __WTH);
+                    let (oh, ow) = (__WM * th, __WM * tw);
+                    let base = yp.add(((n * __OH + oh) * __OW + ow) * __OC);
                     // The tile's rows and columns inside the output.
-                    let down = if OH - oh < WM { OH - oh } else { WM };
-                    let right = if OW - ow < WM { OW - ow } else { WM };
-                    for k in (0..OC).step_by(L) {
-                        let b = S::load(bias.add(k));
-                        let out = #rt::winograd::output::<WV, S>(mp.add(t * OC + k), WCT * OC);
+                    let down = if __OH - oh < __WM { __OH - oh } else { __WM };
+                    let right = if __OW - ow < __WM { __OW - ow } else { __WM };
+                    for k in (0..__OC).step_by(__L) {
+                        let b = __S::load(bias.add(k));
+                        let out = #rt::winograd::output::<__WV, __S>(mp.add(t * __OC + k), __WCT * __OC);
                         for r in 0..down {
                             for c in 0..right {
                                 let mut value = out[r][c].add(b);
-                                if RELU { value = value.max(S::zero()); }
-                                value.store(base.add((r * OW + c) * OC + k));
+                                if __RELU { value = value.max(__S::zero()); }
+                                value.store(base.add((r * __OW + c) * __OC + k));
                             }
                         }
                     }
                 }
                 // The chunk's whole tile rows are one contiguous range of output pixels.
                 let last = r0 + rows - 1;
-                let first = r0 / WTH * NPIX + WM * (r0 % WTH) * OW;
-                let end_row = if WM * (last % WTH) + WM < OH { WM * (last % WTH) + WM } else { OH };
-                let end = last / WTH * NPIX + end_row * OW;
-                epilogue(&mut y[first * OC..end * OC], first, end - first);
+                let first = r0 / __WTH * __NPIX + __WM * (r0 % __WTH) * __OW;
+                let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
+                let end = last / __WTH * __NPIX + end_row * __OW;
+                epilogue(&mut y[first * __OC..end * __OC], first, end - first);
                 r0 += rows;
             }
         },
@@ -316,34 +316,34 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// Copies one image into `xs` (`WH * WW * WIC`, space-to-depth by `SD`: padded pixel
         /// `(h, w)` goes to `(h / SD, w / SD)`, channel block `(h % SD) * SD + w % SD`) inside a
         /// zero border that covers every tile.
-        fn wino_stage(x: &[__T], xs: &mut [__A]) {
+        fn __wino_stage(x: &[__T], xs: &mut [__A]) {
             // Zeros where the input does not cover the staged image: the border rows and
             // columns without space-to-depth, everything with it unless the input covers all
             // of it (as for the Atari network's second layer).
-            if SD == 1 {
-                xs[..PH * WW * WIC].fill(0.0);
-                xs[(PH + SIH) * WW * WIC..].fill(0.0);
-                for h in PH..PH + SIH {
-                    let row = &mut xs[h * WW * WIC..][..WW * WIC];
-                    row[..PW * WIC].fill(0.0);
-                    row[(PW + SIW) * WIC..].fill(0.0);
+            if __SD == 1 {
+                xs[..__PH * __WW * __WIC].fill(0.0);
+                xs[(__PH + __SIH) * __WW * __WIC..].fill(0.0);
+                for h in __PH..__PH + __SIH {
+                    let row = &mut xs[h * __WW * __WIC..][..__WW * __WIC];
+                    row[..__PW * __WIC].fill(0.0);
+                    row[(__PW + __SIW) * __WIC..].fill(0.0);
                 }
-            } else if PH + PW > 0 || IH != SD * WH || IW != SD * WW {
+            } else if __PH + __PW > 0 || __IH != __SD * __WH || __IW != __SD * __WW {
                 xs.fill(0.0);
             }
-            for h in 0..SIH {
-                let (h2, dy) = ((h + PH) / SD, (h + PH) % SD);
-                if SD == 1 {
-                    let src = &x[h * IW * IC..][..SIW * IC];
-                    let dst = &mut xs[(h2 * WW + PW) * IC..][..SIW * IC];
+            for h in 0..__SIH {
+                let (h2, dy) = ((h + __PH) / __SD, (h + __PH) % __SD);
+                if __SD == 1 {
+                    let src = &x[h * __IW * __IC..][..__SIW * __IC];
+                    let dst = &mut xs[(h2 * __WW + __PW) * __IC..][..__SIW * __IC];
                     <__T as #rt::Element>::to_acc_slice(src, dst);
                     continue;
                 }
-                for w in 0..SIW {
-                    let (w2, dx) = ((w + PW) / SD, (w + PW) % SD);
-                    let src = &x[(h * IW + w) * IC..][..IC];
-                    let block = (dy * SD + dx) * IC;
-                    let dst = &mut xs[(h2 * WW + w2) * WIC + block..][..IC];
+                for w in 0..__SIW {
+                    let (w2, dx) = ((w + __PW) / __SD, (w + __PW) % __SD);
+                    let src = &x[(h * __IW + w) * __IC..][..__IC];
+                    let block = (dy * __SD + dx) * __IC;
+                    let dst = &mut xs[(h2 * __WW + w2) * __WIC + block..][..__IC];
                     <__T as #rt::Element>::to_acc_slice(src, dst);
                 }
             }
@@ -351,26 +351,26 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
 
         /// The staged gradient of one image back to NHWC (`wino_stage` inverted); inputs past
         /// the staged image feed no output.
-        fn wino_unstage(dx: &[__A], d_input: &mut [__T]) {
+        fn __wino_unstage(dx: &[__A], d_input: &mut [__T]) {
             let zero = <__T as #rt::Element>::zero();
-            for h in 0..IH {
-                let row = &mut d_input[h * IW * IC..][..IW * IC];
-                if h >= SIH {
+            for h in 0..__IH {
+                let row = &mut d_input[h * __IW * __IC..][..__IW * __IC];
+                if h >= __SIH {
                     row.fill(zero);
                     continue;
                 }
-                row[SIW * IC..].fill(zero);
-                let (h2, dy) = ((h + PH) / SD, (h + PH) % SD);
-                if SD == 1 {
-                    let src = &dx[(h2 * WW + PW) * IC..][..SIW * IC];
-                    <__T as #rt::Element>::from_acc_slice(src, &mut row[..SIW * IC]);
+                row[__SIW * __IC..].fill(zero);
+                let (h2, dy) = ((h + __PH) / __SD, (h + __PH) % __SD);
+                if __SD == 1 {
+                    let src = &dx[(h2 * __WW + __PW) * __IC..][..__SIW * __IC];
+                    <__T as #rt::Element>::from_acc_slice(src, &mut row[..__SIW * __IC]);
                     continue;
                 }
-                for w in 0..SIW {
-                    let (w2, dx_) = ((w + PW) / SD, (w + PW) % SD);
-                    let block = (dy * SD + dx_) * IC;
-                    let src = &dx[(h2 * WW + w2) * WIC + block..][..IC];
-                    <__T as #rt::Element>::from_acc_slice(src, &mut row[w * IC..][..IC]);
+                for w in 0..__SIW {
+                    let (w2, dx_) = ((w + __PW) / __SD, (w + __PW) % __SD);
+                    let block = (dy * __SD + dx_) * __IC;
+                    let src = &dx[(h2 * __WW + w2) * __WIC + block..][..__IC];
+                    <__T as #rt::Element>::from_acc_slice(src, &mut row[w * __IC..][..__IC]);
                 }
             }
         }
@@ -379,34 +379,34 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// `epilogue(results, first pixel, pixels)` run on each chunk while it is in cache.
         /// `RELU` applies ReLU in registers.
         #[inline(always)]
-        fn conv<const __B: usize, const RELU: bool>(
+        fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
             ya: ::core::option::Option<&mut [__A]>,
-            epilogue: &mut dyn FnMut(&mut [__A], usize, usize),
+            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
                 layout: #layout,
             };
-            let y_scratch = if ya.is_some() { 0 } else { __B * NPIX * OC };
+            let y_scratch = if ya.is_some() { 0 } else { __B * __NPIX * __OC };
             let ws = cpu.__workspace::<__A>(
                 key,
-                U_LEN + OC,
+                __U_LEN + __OC,
                 // SAFETY: the packer indexes slices, checked.
-                |out| unsafe { pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out) },
-                XS_LEN + ELEMS * WCT * (WIC + OC) + y_scratch,
+                |out| unsafe { __pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out) },
+                __XS_LEN + __ELEMS * __WCT * (__WIC + __OC) + y_scratch,
             );
-            let (xs, rest) = ws.scratch.split_at_mut(XS_LEN);
-            let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
-            let (m, rest) = rest.split_at_mut(ELEMS * WCT * OC);
+            let (xs, rest) = ws.scratch.split_at_mut(__XS_LEN);
+            let (v, rest) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
+            let (m, rest) = rest.split_at_mut(__ELEMS * __WCT * __OC);
             let y: &mut [__A] = match ya {
                 ::core::option::Option::Some(y) => y,
-                ::core::option::Option::None => &mut rest[..__B * NPIX * OC],
+                ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
             };
             // SAFETY: every slice has the length the kernel is built on (checked in debug).
-            unsafe { wino_tiles::<__B, RELU>(x, xs, ws.packed, v, m, y, epilogue) }
+            unsafe { __wino_tiles::<{ __B }, { __RELU }>(x, xs, ws.packed, v, m, y, epilogue) }
         }
 
         #kernel
@@ -414,10 +414,10 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// Where tap `(a, b)` of the staged kernel for staged channel `cp` is in the OHWI
         /// weights of output channel 0 (space-to-depth: tap `(SD a + dy, SD b + dx)`).
         #[inline(always)]
-        fn wino_tap(a: usize, b: usize, cp: usize) -> usize {
-            let (block, c) = (cp / IC, cp % IC);
-            let (dy, dx) = (block / SD, block % SD);
-            ((SD * a + dy) * KW + SD * b + dx) * IC + c
+        fn __wino_tap(a: usize, b: usize, cp: usize) -> usize {
+            let (block, c) = (cp / __IC, cp % __IC);
+            let (dy, dx) = (block / __SD, block % __SD);
+            ((__SD * a + dy) * __KW + __SD * b + dx) * __IC + c
         }
 
         /// The transformed weights `G g G^T` of every channel pair (staged channels), `L`
@@ -427,31 +427,31 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// element planes 16 KiB apart ran 8x slower. Inlined into the packers' AVX2
         /// instantiations, where the portable vectors compile to whole registers.
         #[inline(always)]
-        fn wino_weights(w: &[__T], k_inner: bool, mut put: impl FnMut(usize, usize, usize, &[__A; L])) {
+        fn __wino_weights(w: &[__T], k_inner: bool, mut put: impl ::core::ops::FnMut(usize, usize, usize, &[__A; __L])) {
             use #rt::{Element as _, Simd as _};
-            type P = #rt::simd::Lanes<__A, L>;
-            const MAX: usize = #rt::winograd::MAX;
+            type __Lanes = #rt::simd::Lanes<__A, { __L }>;
+            const __MAX: usize = #rt::winograd::MAX;
             let pair = |outer: usize, inner: usize| if k_inner { (inner, outer) } else { (outer, inner) };
-            for outer in 0..if k_inner { WIC } else { OC } {
-                for inner in (0..if k_inner { OC } else { WIC }).step_by(L) {
+            for outer in 0..if k_inner { __WIC } else { __OC } {
+                for inner in (0..if k_inner { __OC } else { __WIC }).step_by(__L) {
                     // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
                     // elements.
                     unsafe {
-                        let mut g = [[P::zero(); MAX]; MAX];
-                        for a in 0..WR {
-                            for b in 0..WR {
-                                let taps: [__A; L] = ::core::array::from_fn(|i| {
+                        let mut g = [[__Lanes::zero(); __MAX]; __MAX];
+                        for a in 0..__WR {
+                            for b in 0..__WR {
+                                let taps: [__A; __L] = ::core::array::from_fn(|i| {
                                     let (k, c) = pair(outer, inner + i);
-                                    w[k * WINDOW + wino_tap(a, b, c)].to_acc()
+                                    w[k * __WINDOW + __wino_tap(a, b, c)].to_acc()
                                 });
-                                g[a][b] = P::load(taps.as_ptr());
+                                g[a][b] = __Lanes::load(taps.as_ptr());
                             }
                         }
-                        let u = #rt::winograd::weight::<WV, P>(g);
+                        let u = #rt::winograd::weight::<__WV, __Lanes>(g);
                         let (k, c) = pair(outer, inner);
-                        for e in 0..ELEMS {
-                            let mut row = [0.0; L];
-                            u[e / WN][e % WN].store(row.as_mut_ptr());
+                        for e in 0..__ELEMS {
+                            let mut row = [0.0; __L];
+                            u[e / __WN][e % __WN].store(row.as_mut_ptr());
                             put(e, k, c, &row);
                         }
                     }
@@ -475,19 +475,19 @@ fn helpers() -> TokenStream {
         /// from `xs`: the input itself (`DIRECT_INPUT`, with `tb` for border windows) or the
         /// staged slots.
         #[inline(always)]
-        unsafe fn wino_input<S: #rt::Simd<Elem = __A>>(
+        unsafe fn __wino_input<__S: #rt::Simd<Elem = __A>>(
             xs: *const __A, tb: *mut __A, v: *mut __A, r0: usize, count: usize,
         ) {
             for t in 0..count {
-                let (g, tw) = (r0 + t / WTW, t % WTW);
-                let (n, th) = (g / WTH, g % WTH);
-                let (src, row) = if DIRECT_INPUT {
-                    wino_window(xs, tb, n, th, tw)
+                let (g, tw) = (r0 + t / __WTW, t % __WTW);
+                let (n, th) = (g / __WTH, g % __WTH);
+                let (src, row) = if __DIRECT_INPUT {
+                    __wino_window(xs, tb, n, th, tw)
                 } else {
-                    (xs.add(n % SLOTS * STAGED_IMAGE + (WSTEP * th * WW + WSTEP * tw) * WIC), WW * WIC)
+                    (xs.add(n % __SLOTS * __STAGED_IMAGE + (__WSTEP * th * __WW + __WSTEP * tw) * __WIC), __WW * __WIC)
                 };
-                for c in (0..WIC).step_by(L) {
-                    #rt::winograd::input::<WV, S>(src.add(c), row, WIC, v.add(t * WIC + c), WCT * WIC);
+                for c in (0..__WIC).step_by(__L) {
+                    #rt::winograd::input::<__WV, __S>(src.add(c), row, __WIC, v.add(t * __WIC + c), __WCT * __WIC);
                 }
             }
         }
@@ -496,27 +496,27 @@ fn helpers() -> TokenStream {
         /// input `x` where it lies inside the image, else copied into `tb` (`WN * WN * WIC`)
         /// with zeros for the padding and past the edges.
         #[inline(always)]
-        unsafe fn wino_window(
+        unsafe fn __wino_window(
             x: *const __A, tb: *mut __A, n: usize, th: usize, tw: usize,
         ) -> (*const __A, usize) {
             // Padded coordinates of the window's first row and column.
-            let (h0, w0) = (WSTEP * th, WSTEP * tw);
-            if h0 >= PH && h0 + WN <= PH + IH && w0 >= PW && w0 + WN <= PW + IW {
-                return (x.add(((n * IH + h0 - PH) * IW + w0 - PW) * IC), IW * IC);
+            let (h0, w0) = (__WSTEP * th, __WSTEP * tw);
+            if h0 >= __PH && h0 + __WN <= __PH + __IH && w0 >= __PW && w0 + __WN <= __PW + __IW {
+                return (x.add(((n * __IH + h0 - __PH) * __IW + w0 - __PW) * __IC), __IW * __IC);
             }
-            for i in 0..WN {
-                for j in 0..WN {
+            for i in 0..__WN {
+                for j in 0..__WN {
                     let (h, w) = (h0 + i, w0 + j);
-                    let dst = tb.add((i * WN + j) * WIC);
-                    if h >= PH && h < PH + IH && w >= PW && w < PW + IW {
-                        let src = x.add(((n * IH + h - PH) * IW + w - PW) * IC);
-                        ::core::ptr::copy_nonoverlapping(src, dst, IC);
+                    let dst = tb.add((i * __WN + j) * __WIC);
+                    if h >= __PH && h < __PH + __IH && w >= __PW && w < __PW + __IW {
+                        let src = x.add(((n * __IH + h - __PH) * __IW + w - __PW) * __IC);
+                        ::core::ptr::copy_nonoverlapping(src, dst, __IC);
                     } else {
-                        ::core::ptr::write_bytes(dst, 0, IC);
+                        ::core::ptr::write_bytes(dst, 0, __IC);
                     }
                 }
             }
-            (tb, WN * WIC)
+            (tb, __WN * __WIC)
         }
     }
 }
@@ -531,15 +531,15 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
     let calls = blk.calls(
         &format!("wgemm{}", blk.p),
         true,
-        |tile, first| quote!(#tile::<S, #k, #n>(&rows, we.add(#k * #first), out.add(#first));),
+        |tile, first| quote!(#tile::<__S, { #k }, { #n }>(&rows, we.add(#k * #first), out.add(#first));),
     );
     quote! {
         #[inline(always)]
-        unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+        unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
             a: *const __A, w: *const __A, o: *mut __A, count: usize,
         ) {
-            for e in 0..ELEMS {
-                let (ae, we, oe) = (a.add(e * WCT * #k), w.add(e * #k * #n), o.add(e * WCT * #n));
+            for e in 0..__ELEMS {
+                let (ae, we, oe) = (a.add(e * __WCT * #k), w.add(e * #k * #n), o.add(e * __WCT * #n));
                 for tile in 0..count.div_ceil(#p) {
                     let rows: [*const __A; #p] =
                         ::core::array::from_fn(|i| ae.add((tile * #p + i) * #k));
@@ -568,9 +568,9 @@ fn gemm_tiles(spec: &Spec, blockings: &[&Blocking]) -> Vec<TokenStream> {
     kinds
         .into_iter()
         .map(|(p, nv, last)| {
-            let name = format_ident!("wgemm{}_{}_{}", p, nv, last);
+            let name = format_ident!("__wgemm{}_{}_{}", p, nv, last);
             let width = lit(nv * l);
-            let init = init_accumulators(p, nv, |_, _| quote!(S::zero()));
+            let init = init_accumulators(p, nv, |_, _| quote!(__S::zero()));
             let step = fma_step(
                 p,
                 nv,
@@ -585,16 +585,16 @@ fn gemm_tiles(spec: &Spec, blockings: &[&Blocking]) -> Vec<TokenStream> {
             );
             let stores = write_accumulators(p, nv, l, last, |acc, i, v, _| {
                 let (i, off) = (lit(i), lit(v * l));
-                quote!(#acc.store(out.add(#i * N + #off));)
+                quote!(#acc.store(out.add(#i * __N + #off));)
             });
             let pl = lit(p);
             quote! {
                 #[inline(always)]
-                unsafe fn #name<S: #rt::Simd<Elem = __A>, const K: usize, const N: usize>(
+                unsafe fn #name<__S: #rt::Simd<Elem = __A>, const __K: usize, const __N: usize>(
                     rows: &[*const __A; #pl], w: *const __A, out: *mut __A,
                 ) {
                     #init
-                    for j in 0..K {
+                    for j in 0..__K {
                         #step
                     }
                     #stores
@@ -618,10 +618,10 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
     let mut tiles = Vec::new();
     for &p in &ps {
         for (nv, last) in blk.kinds() {
-            let name = format_ident!("wgrad{}_{}_{}", p, nv, last);
+            let name = format_ident!("__wgrad{}_{}_{}", p, nv, last);
             let init = init_accumulators(p, nv, |i, v| {
                 let off = lit(i * spec.out_channels + v * l);
-                quote!(S::load(dst.add(#off)))
+                quote!(__S::load(dst.add(#off)))
             });
             let step = fma_step(
                 p,
@@ -641,12 +641,12 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
             });
             tiles.push(quote! {
                 #[inline(always)]
-                unsafe fn #name<S: #rt::Simd<Elem = __A>>(
+                unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
                     v: *const __A, n: *const __A, count: usize, dst: *mut __A,
                 ) {
                     #init
                     for t in 0..count {
-                        let (vt, nt) = (v.add(t * WIC), n.add(t * OC));
+                        let (vt, nt) = (v.add(t * __WIC), n.add(t * __OC));
                         #step
                     }
                     #stores
@@ -660,16 +660,16 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
     let full = lit(full);
     let blocks = blk.blocks().into_iter().map(|b| {
         let first = lit(b.first * l);
-        let tile = format_ident!("wgrad{}_{}_{}", blk.p, b.nv, b.last_lanes);
+        let tile = format_ident!("__wgrad{}_{}_{}", blk.p, b.nv, b.last_lanes);
         let rem_call = (rem > 0).then(|| {
-            let tile = format_ident!("wgrad{}_{}_{}", rem, b.nv, b.last_lanes);
+            let tile = format_ident!("__wgrad{}_{}_{}", rem, b.nv, b.last_lanes);
             let c0 = lit(ic - rem);
-            quote!(#tile::<S>(ve.add(#c0), ne.add(#first), count, de.add(#c0 * OC + #first));)
+            quote!(#tile::<__S>(ve.add(#c0), ne.add(#first), count, de.add(#c0 * __OC + #first));)
         });
         quote! {
             for ct in 0..#full {
                 let c0 = ct * #pl;
-                #tile::<S>(ve.add(c0), ne.add(#first), count, de.add(c0 * OC + #first));
+                #tile::<__S>(ve.add(c0), ne.add(#first), count, de.add(c0 * __OC + #first));
             }
             #rem_call
         }
@@ -677,11 +677,11 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
     let driver = quote! {
         /// `dU[e] += V[e]^T . N[e]` over the chunk's `count` tiles.
         #[inline(always)]
-        unsafe fn wino_weight_product<S: #rt::Simd<Elem = __A>>(
+        unsafe fn __wino_weight_product<__S: #rt::Simd<Elem = __A>>(
             v: *const __A, n: *const __A, du: *mut __A, count: usize,
         ) {
-            for e in 0..ELEMS {
-                let (ve, ne, de) = (v.add(e * WCT * WIC), n.add(e * WCT * OC), du.add(e * WIC * OC));
+            for e in 0..__ELEMS {
+                let (ve, ne, de) = (v.add(e * __WCT * __WIC), n.add(e * __WCT * __OC), du.add(e * __WIC * __OC));
                 #(#blocks)*
             }
         }
@@ -696,7 +696,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         Blocking::new(spec.dtype, spec.out_channels),
         Blocking::new(spec.dtype, plan.sd * plan.sd * spec.in_c()),
     );
-    let data_product = product("wino_data_product", &ic_blk, quote!(OC), quote!(WIC));
+    let data_product = product("__wino_data_product", &ic_blk, quote!(__OC), quote!(__WIC));
     let (wtiles, weight_product) = weight_tiles(spec, plan, &oc_blk);
     let layout = layout_id(spec, 4);
     let ic_block = lit(ic_blk.v * ic_blk.lanes);
@@ -709,10 +709,10 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         quote!(w: &[__T], out: &mut [__A]),
         quote!(w, out),
         quote! {
-            wino_weights(w, false, |e, k, c, values| {
+            __wino_weights(w, false, |e, k, c, values| {
                 let first = c / #ic_block * #ic_block;
-                let width = if WIC - first < #ic_block { WIC - first } else { #ic_block };
-                out[e * WIC * OC + OC * first + k * width + (c - first)..][..L].copy_from_slice(values);
+                let width = if __WIC - first < #ic_block { __WIC - first } else { #ic_block };
+                out[e * __WIC * __OC + __OC * first + k * width + (c - first)..][..__L].copy_from_slice(values);
             });
         },
     );
@@ -726,56 +726,56 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         TokenStream::new(),
         TokenStream::new(),
         quote! {
-            x: &[__T], xs: &mut [__A], g: DzSource<'_>, dz: &mut [__A], ut: &[__A],
+            x: &[__T], xs: &mut [__A], g: __DzSource<'_>, dz: &mut [__A], ut: &[__A],
             v: &mut [__A], n: &mut [__A], du: &mut [__A], dx: &mut [__A], d_input: &mut [__T],
         },
         quote!(x, xs, g, dz, ut, v, n, du, dx, d_input),
         quote! {
             let (weights, data) = (!du.is_empty(), !dx.is_empty());
-            ::core::debug_assert!(!weights || (x.len() == BATCH * IMAGE && du.len() == U_LEN));
-            ::core::debug_assert!(!weights || xs.len() >= XS_LEN);
-            ::core::debug_assert!(!data || (ut.len() == U_LEN && dx.len() >= SLOTS * STAGED_IMAGE));
-            ::core::debug_assert!(!data || d_input.len() == BATCH * IMAGE);
-            ::core::debug_assert!(dz.len() >= if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC });
-            ::core::debug_assert!(v.len() >= ELEMS * WCT * WIC && n.len() >= ELEMS * WCT * OC);
-            let rows_total = BATCH * WTH;
+            ::core::debug_assert!(!weights || (x.len() == __BATCH * __IMAGE && du.len() == __U_LEN));
+            ::core::debug_assert!(!weights || xs.len() >= __XS_LEN);
+            ::core::debug_assert!(!data || (ut.len() == __U_LEN && dx.len() >= __SLOTS * __STAGED_IMAGE));
+            ::core::debug_assert!(!data || d_input.len() == __BATCH * __IMAGE);
+            ::core::debug_assert!(dz.len() >= if __FUSED { __DZ_CHUNK } else { __BATCH * __NPIX * __OC });
+            ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && n.len() >= __ELEMS * __WCT * __OC);
+            let rows_total = __BATCH * __WTH;
             let ut = ut.as_ptr();
             let (vp, np, dup) = (v.as_mut_ptr(), n.as_mut_ptr(), du.as_mut_ptr());
-            let DzSource { d_output, pre, output, db } = g;
+            let __DzSource { d_output, pre, output, db } = g;
             // The bias gradient of the chunks' `dz`, one vector of output channels at a time.
-            let mut bias = [S::zero(); OC / L];
+            let mut bias = [__S::zero(); __OC / __L];
             // Images staged so far, and gradients copied out.
             let (mut r0, mut staged, mut done) = (0, 0, 0);
             while r0 < rows_total {
-                let rows = if rows_total - r0 < WROWS { rows_total - r0 } else { WROWS };
-                let count = rows * WTW;
-                while staged <= (r0 + rows - 1) / WTH {
-                    let slot = staged % SLOTS * STAGED_IMAGE;
-                    if weights && !DIRECT_INPUT {
-                        wino_stage(&x[staged * IMAGE..][..IMAGE], &mut xs[slot..][..STAGED_IMAGE]);
+                let rows = if rows_total - r0 < __WROWS { rows_total - r0 } else { __WROWS };
+                let count = rows * __WTW;
+                while staged <= (r0 + rows - 1) / __WTH {
+                    let slot = staged % __SLOTS * __STAGED_IMAGE;
+                    if weights && !__DIRECT_INPUT {
+                        __wino_stage(&x[staged * __IMAGE..][..__IMAGE], &mut xs[slot..][..__STAGED_IMAGE]);
                     }
                     staged += 1;
                 }
                 if weights {
-                    let source = if DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
-                    wino_input::<S>(source, xs.as_mut_ptr(), vp, r0, count);
+                    let source = if __DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
+                    __wino_input::<__S>(source, xs.as_mut_ptr(), vp, r0, count);
                 }
                 // `dz` of the chunk's outputs (one contiguous pixel range), unless the pass
                 // computed all of it first.
-                let origin = if FUSED {
+                let origin = if __FUSED {
                     let last = r0 + rows - 1;
-                    let first = r0 / WTH * NPIX + WM * (r0 % WTH) * OW;
-                    let end_row = if WM * (last % WTH) + WM < OH { WM * (last % WTH) + WM } else { OH };
-                    let end = last / WTH * NPIX + end_row * OW;
-                    let range = first * OC..end * OC;
+                    let first = r0 / __WTH * __NPIX + __WM * (r0 % __WTH) * __OW;
+                    let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
+                    let end = last / __WTH * __NPIX + end_row * __OW;
+                    let range = first * __OC..end * __OC;
                     let dzc = &mut dz[..range.len()];
                     #rt::activation::backward::<#act, __T>(
                         &d_output[range.clone()], &pre[range.clone()], &output[range], dzc,
                     );
                     if !db.is_empty() {
-                        for px in dzc.chunks_exact(OC) {
-                            for k in 0..OC / L {
-                                bias[k] = bias[k].add(S::load(px.as_ptr().add(k * L)));
+                        for px in dzc.chunks_exact(__OC) {
+                            for k in 0..__OC / __L {
+                                bias[k] = bias[k].add(__S::load(px.as_ptr().add(k * __L)));
                             }
                         }
                     }
@@ -786,53 +786,53 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 let dzp = dz.as_ptr();
                 // Output-gradient tiles; outputs past the last row or column contribute zero.
                 for t in 0..count {
-                    let (g, tw) = (r0 + t / WTW, t % WTW);
-                    let (img, th) = (g / WTH, g % WTH);
-                    let (oh, ow) = (WM * th, WM * tw);
-                    let base = dzp.add(((img * OH + oh) * OW + ow - origin) * OC);
-                    let down = if OH - oh < WM { OH - oh } else { WM };
-                    let right = if OW - ow < WM { OW - ow } else { WM };
-                    for k in (0..OC).step_by(L) {
-                        let mut dy = [[S::zero(); #rt::winograd::MAX]; #rt::winograd::MAX];
+                    let (g, tw) = (r0 + t / __WTW, t % __WTW);
+                    let (img, th) = (g / __WTH, g % __WTH);
+                    let (oh, ow) = (__WM * th, __WM * tw);
+                    let base = dzp.add(((img * __OH + oh) * __OW + ow - origin) * __OC);
+                    let down = if __OH - oh < __WM { __OH - oh } else { __WM };
+                    let right = if __OW - ow < __WM { __OW - ow } else { __WM };
+                    for k in (0..__OC).step_by(__L) {
+                        let mut dy = [[__S::zero(); #rt::winograd::MAX]; #rt::winograd::MAX];
                         for r in 0..down {
                             for c in 0..right {
-                                dy[r][c] = S::load(base.add((r * OW + c) * OC + k));
+                                dy[r][c] = __S::load(base.add((r * __OW + c) * __OC + k));
                             }
                         }
-                        #rt::winograd::gradient::<WV, S>(dy, np.add(t * OC + k), WCT * OC);
+                        #rt::winograd::gradient::<__WV, __S>(dy, np.add(t * __OC + k), __WCT * __OC);
                     }
                 }
                 if weights {
-                    wino_weight_product::<S>(vp, np, dup, count);
+                    __wino_weight_product::<__S>(vp, np, dup, count);
                 }
                 if data {
                     // `dV` reuses `V`'s buffer.
-                    wino_data_product::<S>(np, ut, vp, count);
+                    __wino_data_product::<__S>(np, ut, vp, count);
                     let dxp = dx.as_mut_ptr();
                     for t in 0..count {
-                        let (g, tw) = (r0 + t / WTW, t % WTW);
-                        let (img, th) = (g / WTH, g % WTH);
-                        let dst = dxp.add(img % SLOTS * STAGED_IMAGE + (WSTEP * th * WW + WSTEP * tw) * WIC);
+                        let (g, tw) = (r0 + t / __WTW, t % __WTW);
+                        let (img, th) = (g / __WTH, g % __WTH);
+                        let dst = dxp.add(img % __SLOTS * __STAGED_IMAGE + (__WSTEP * th * __WW + __WSTEP * tw) * __WIC);
                         // Tiles run in rows, left to right: the ones above and to the left
                         // overlap this one in its first `WN - WSTEP` rows and columns.
-                        let add_rows = if th == 0 { 0 } else { WN - WSTEP };
-                        let add_cols = if tw == 0 { 0 } else { WN - WSTEP };
-                        for c in (0..WIC).step_by(L) {
-                            #rt::winograd::input_gradient::<WV, S>(vp.add(t * WIC + c), WCT * WIC, dst.add(c), WW * WIC, WIC, add_rows, add_cols);
+                        let add_rows = if th == 0 { 0 } else { __WN - __WSTEP };
+                        let add_cols = if tw == 0 { 0 } else { __WN - __WSTEP };
+                        for c in (0..__WIC).step_by(__L) {
+                            #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.add(c), __WW * __WIC, __WIC, add_rows, add_cols);
                         }
                     }
                 }
                 r0 += rows;
                 // Images whose tiles are all done: their input gradient is complete.
-                while data && done < r0 / WTH {
-                    let slot = &dx[done % SLOTS * STAGED_IMAGE..][..STAGED_IMAGE];
-                    wino_unstage(slot, &mut d_input[done * IMAGE..][..IMAGE]);
+                while data && done < r0 / __WTH {
+                    let slot = &dx[done % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE];
+                    __wino_unstage(slot, &mut d_input[done * __IMAGE..][..__IMAGE]);
                     done += 1;
                 }
             }
             if !db.is_empty() {
-                for k in 0..OC / L {
-                    bias[k].store(db.as_mut_ptr().add(k * L));
+                for k in 0..__OC / __L {
+                    bias[k].store(db.as_mut_ptr().add(k * __L));
                 }
             }
         },
@@ -844,14 +844,14 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     });
     let items = quote! {
         /// Whether each chunk computes its own `dz` (see `DzSource`).
-        const FUSED: bool = #fused;
+        const __FUSED: bool = #fused;
         /// `dz` of one chunk at most: its tile rows' output rows.
-        const DZ_CHUNK: usize = #dz_chunk;
+        const __DZ_CHUNK: usize = #dz_chunk;
 
         /// Where the fused kernel takes `dz` from: the output gradient, the pre-activations and
         /// outputs of the forward pass; `db` (`OC`, or empty for no bias gradient) gets the sum
         /// of `dz` over the batch. Empty where the pass computes `dz` first.
-        struct DzSource<'a> {
+        struct __DzSource<'a> {
             d_output: &'a [__T],
             pre: &'a [__T],
             output: &'a [__T],
@@ -875,43 +875,43 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             } else {
                 #rt::PackKey { stamps: [0, 0], layout: 0 }
             };
-            let x_len = if weights { XS_LEN } else { 0 };
-            let du_len = if weights { U_LEN } else { 0 };
-            let dx_len = if data { SLOTS * STAGED_IMAGE } else { 0 };
-            let dz_len = if FUSED { DZ_CHUNK } else { BATCH * NPIX * OC };
-            let lens = dz_len + ELEMS * WCT * (WIC + OC) + x_len + du_len + dx_len;
+            let x_len = if weights { __XS_LEN } else { 0 };
+            let du_len = if weights { __U_LEN } else { 0 };
+            let dx_len = if data { __SLOTS * __STAGED_IMAGE } else { 0 };
+            let dz_len = if __FUSED { __DZ_CHUNK } else { __BATCH * __NPIX * __OC };
+            let lens = dz_len + __ELEMS * __WCT * (__WIC + __OC) + x_len + du_len + dx_len;
             let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
                 key,
-                if data { U_LEN } else { 0 },
+                if data { __U_LEN } else { 0 },
                 |out| {
                     if data {
                         // SAFETY: the packer indexes slices, checked.
-                        unsafe { pack_wino_data(layer.weights.as_slice(), out) }
+                        unsafe { __pack_wino_data(layer.weights.as_slice(), out) }
                     }
                 },
                 lens,
             );
             let (dz, rest) = scratch.split_at_mut(dz_len);
-            let (v, rest) = rest.split_at_mut(ELEMS * WCT * WIC);
-            let (n, rest) = rest.split_at_mut(ELEMS * WCT * OC);
+            let (v, rest) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
+            let (n, rest) = rest.split_at_mut(__ELEMS * __WCT * __OC);
             let (xs, rest) = rest.split_at_mut(x_len);
             let (du, rest) = rest.split_at_mut(du_len);
             let dx = &mut rest[..dx_len];
             // Scratch is not cleared by the device: zero what is accumulated into (the staged
             // input gradient is stored where no tile reached it before).
             du.fill(0.0);
-            let mut db = [0.0 as __A; OC];
-            let source = if FUSED {
+            let mut db = [0.0 as __A; __OC];
+            let source = if __FUSED {
                 let _ = mode;
-                DzSource {
+                __DzSource {
                     d_output,
                     pre: state.pre_activation.as_slice(),
                     output: state.output.as_slice(),
                     db: if weights { &mut db } else { &mut [] },
                 }
             } else {
-                d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
-                DzSource { d_output: &[], pre: &[], output: &[], db: &mut [] }
+                __d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
+                __DzSource { d_output: &[], pre: &[], output: &[], db: &mut [] }
             };
             let x: &[__T] = if weights { x } else { &[] };
             let d_input: &mut [__T] = match d_input {
@@ -919,12 +919,12 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 ::core::option::Option::None => &mut [],
             };
             // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-            unsafe { wino_backward_tiles(x, xs, source, dz, packed, v, n, du, dx, d_input) };
+            unsafe { __wino_backward_tiles(x, xs, source, dz, packed, v, n, du, dx, d_input) };
 
             if let ::core::option::Option::Some(g) = grads {
-                if FUSED {
-                    let gb = &mut g.biases.as_mut_slice()[..OC];
-                    for c in 0..OC {
+                if __FUSED {
+                    let gb = &mut g.biases.as_mut_slice()[..__OC];
+                    for c in 0..__OC {
                         gb[c] += db[c];
                     }
                 } else {
@@ -932,25 +932,25 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 }
                 // `G^T dU G`, one vector of output channels at a time.
                 use #rt::Simd as _;
-                type P = #rt::simd::Lanes<__A, L>;
-                const MAX: usize = #rt::winograd::MAX;
+                type __Lanes = #rt::simd::Lanes<__A, { __L }>;
+                const __MAX: usize = #rt::winograd::MAX;
                 let gw = g.weights.as_mut_slice();
-                for c in 0..WIC {
-                    for k in (0..OC).step_by(L) {
+                for c in 0..__WIC {
+                    for k in (0..__OC).step_by(__L) {
                         // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
                         // elements.
                         unsafe {
-                            let mut dt = [[P::zero(); MAX]; MAX];
-                            for e in 0..ELEMS {
-                                dt[e / WN][e % WN] = P::load(du[e * WIC * OC + c * OC + k..][..L].as_ptr());
+                            let mut dt = [[__Lanes::zero(); __MAX]; __MAX];
+                            for e in 0..__ELEMS {
+                                dt[e / __WN][e % __WN] = __Lanes::load(du[e * __WIC * __OC + c * __OC + k..][..__L].as_ptr());
                             }
-                            let dg = #rt::winograd::weight_gradient::<WV, P>(dt);
-                            for a in 0..WR {
-                                for b in 0..WR {
-                                    let mut values = [0.0; L];
+                            let dg = #rt::winograd::weight_gradient::<__WV, __Lanes>(dt);
+                            for a in 0..__WR {
+                                for b in 0..__WR {
+                                    let mut values = [0.0; __L];
                                     dg[a][b].store(values.as_mut_ptr());
                                     for (i, value) in values.into_iter().enumerate() {
-                                        gw[(k + i) * WINDOW + wino_tap(a, b, c)] += value;
+                                        gw[(k + i) * __WINDOW + __wino_tap(a, b, c)] += value;
                                     }
                                 }
                             }
