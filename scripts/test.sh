@@ -31,6 +31,11 @@ run cargo test --workspace --release --features onednn,cuda
 # repeats the portable run).
 CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
 CONV2D_SIMD=avx2 run cargo test --release --test conformance_training --test specs_forward
+# The numeric suites on a 2-thread device that splits every call (tests/common: `cpu()`), so the
+# parallel paths meet the references too (tests/threads.rs holds them to the 1-thread bits).
+CONV2D_TEST_THREADS=2 run cargo test --release --features onednn,cuda --test conformance_forward \
+    --test conformance_training --test specs_forward --test half_conformance --test half_specs \
+    --test gradcheck --test training
 # The main example in its short mode: exits non-zero unless the network learned.
 run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
 run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors

@@ -16,11 +16,11 @@ macro_rules! case {
     (@ $name:ident, $spec:tt) => {
         conformance_case! { $name,
             mod as_f64 {
-                conformance_tests!(forward, Cpu = Cpu::default(), f64, Case, [;], $spec);
+                conformance_tests!(forward, Cpu = crate::common::cpu(), f64, Case, [;], $spec);
             }
 
             mod as_f32 {
-                conformance_tests!(forward, Cpu = Cpu::default(), f32, Case, [;], $spec);
+                conformance_tests!(forward, Cpu = crate::common::cpu(), f32, Case, [;], $spec);
             }
         }
     };

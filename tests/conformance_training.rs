@@ -26,15 +26,15 @@ macro_rules! case {
             }
 
             mod as_f64 {
-                conformance_tests!(training, Cpu = Cpu::default(), f64, Case, $fields, $spec);
+                conformance_tests!(training, Cpu = crate::common::cpu(), f64, Case, $fields, $spec);
             }
 
             mod as_f32 {
-                conformance_tests!(training, Cpu = Cpu::default(), f32, Case, $fields, $spec);
+                conformance_tests!(training, Cpu = crate::common::cpu(), f32, Case, $fields, $spec);
             }
 
             $(mod $module {
-                conformance_tests!(training, Cpu = Cpu::default(), $t, Case, $fields, $spec);
+                conformance_tests!(training, Cpu = crate::common::cpu(), $t, Case, $fields, $spec);
             })?
 
             /// The same case on the oneDNN device, as an f32 layer.

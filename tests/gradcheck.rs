@@ -32,6 +32,9 @@
 //! (running statistics included) is unchanged by `forward`, and for BatchNorm in Train mode
 //! the bias gradient is ~0 (|.| < 1e-9) since the batch mean cancels the bias.
 
+#[macro_use]
+mod common;
+
 /// Central-difference step.
 const STEP: f64 = 1e-6;
 /// max|fd - analytic| / max(1, max|analytic|).
@@ -224,7 +227,7 @@ macro_rules! gradcheck {
             }
 
             fn check(mode: Mode) {
-                let mut cpu = Cpu::default();
+                let mut cpu = crate::common::cpu();
 
                 // Data without a pre-activation near ReLU's kink.
                 let mut found = None;

@@ -16,11 +16,11 @@ macro_rules! case {
     ($name:ident, $dtype:ident, $fields:tt, $spec:tt) => {
         conformance_case! { $name,
             mod as_f16 {
-                conformance_tests!(training, Cpu = Cpu::default(), f16, Rounded, $fields, $spec);
+                conformance_tests!(training, Cpu = crate::common::cpu(), f16, Rounded, $fields, $spec);
             }
 
             mod as_bf16 {
-                conformance_tests!(training, Cpu = Cpu::default(), bf16, Rounded, $fields, $spec);
+                conformance_tests!(training, Cpu = crate::common::cpu(), bf16, Rounded, $fields, $spec);
             }
         }
     };

@@ -24,6 +24,9 @@
     clippy::upper_case_acronyms
 )]
 
+#[macro_use]
+mod common;
+
 /// The specs reaching every kernel family: direct convolutions (input gradient scattered, and
 /// gathered), each Winograd variant (F(4x4, 3x3), F(2x2, 3x3), F(3x3, 2x2) on space-to-depth,
 /// F(2x2, 3x3) at stride 2), f64, f16, bf16, each norm, and a layer large enough for cuDNN on
@@ -233,113 +236,20 @@ macro_rules! case {
             #[test]
             fn runs_every_operation_as_its_twin() {
                 use crate::twins::$family::{Twin, TwinGrads, TwinState};
-                let ours = run!($layer, $grads, $state, ::conv_runtime::Cpu::default());
-                let twin = run!(Twin, TwinGrads, TwinState, ::conv_runtime::Cpu::default());
-                crate::same(&ours, &twin);
+                let cpu = || ::conv_runtime::Cpu::with_threads(2).expect("threads");
+                let ours = every_operation!($layer, $grads, $state, cpu());
+                let twin = every_operation!(Twin, TwinGrads, TwinState, cpu());
+                crate::common::operations::same_bits("CPU", &ours, &twin);
                 #[cfg(feature = "onednn")]
                 {
                     let onednn = || ::conv_runtime::OneDnn::new().expect("oneDNN");
-                    let ours = run!($layer, $grads, $state, onednn());
-                    let twin = run!(Twin, TwinGrads, TwinState, onednn());
-                    crate::same(&ours, &twin);
+                    let ours = every_operation!($layer, $grads, $state, onednn());
+                    let twin = every_operation!(Twin, TwinGrads, TwinState, onednn());
+                    crate::common::operations::same_bits("oneDNN", &ours, &twin);
                 }
             }
         }
     };
-}
-
-/// Every operation of layer type `$l` once on `$device`: evaluate at batch 1 and at the
-/// training batch, forward and the three backward passes in both modes. Returns every result
-/// as `(what, values)`.
-macro_rules! run {
-    ($l:ident, $grads:ident, $state:ident, $device:expr) => {{
-        // The test's own names are private too: it runs among the hostile items.
-        type __T = <$l as ::conv_runtime::Parameters>::Elem;
-        type __X<const __N: usize> = ::conv_runtime::Tensor<
-            __T,
-            { __N },
-            { $l::INPUT_HEIGHT },
-            { $l::INPUT_WIDTH },
-            { $l::INPUT_CHANNELS },
-        >;
-        type __Y<const __N: usize> = ::conv_runtime::Tensor<
-            __T,
-            { __N },
-            { $l::OUTPUT_HEIGHT },
-            { $l::OUTPUT_WIDTH },
-            { $l::OUTPUT_CHANNELS },
-        >;
-        let value = |i: usize| {
-            <__T as ::conv_runtime::Element>::from_f64(((i * 7919) % 101) as f64 / 50.0 - 1.0)
-        };
-        let mut device = $device;
-        let mut layer = $l::new(&mut ::conv_runtime::Rng::seed_from_u64(11));
-        let mut results: ::std::vec::Vec<(&str, ::std::vec::Vec<f64>)> = ::std::vec::Vec::new();
-        let x1 = __X::<1>::from_fn(value);
-        let mut y1 = __Y::<1>::zeros();
-        layer.evaluate(&mut device, &x1, &mut y1).expect("evaluate");
-        results.push(("evaluate, batch 1", crate::values(y1.as_slice())));
-        let x = __X::<{ $l::BATCH_SIZE }>::from_fn(value);
-        let mut y = __Y::<{ $l::BATCH_SIZE }>::zeros();
-        layer.evaluate(&mut device, &x, &mut y).expect("evaluate");
-        results.push(("evaluate", crate::values(y.as_slice())));
-        let d_output = __Y::<{ $l::BATCH_SIZE }>::from_fn(|i| value(i + 5));
-        for mode in [::conv_runtime::Mode::Train, ::conv_runtime::Mode::Eval] {
-            let mut state = $state::new();
-            layer
-                .forward(&mut device, &x, &mut state, mode)
-                .expect("forward");
-            results.push(("forward", crate::values(state.output().as_slice())));
-            let mut d_input = __X::<{ $l::BATCH_SIZE }>::zeros();
-            layer
-                .backward_input(&mut device, &state, &d_output, &mut d_input, mode)
-                .expect("backward_input");
-            results.push(("backward_input", crate::values(d_input.as_slice())));
-            let mut grads = $grads::zeros();
-            layer
-                .backward(&mut device, &state, &x, &d_output, &mut grads, mode)
-                .expect("backward");
-            layer
-                .backward_full(
-                    &mut device,
-                    &state,
-                    &x,
-                    &d_output,
-                    &mut d_input,
-                    &mut grads,
-                    mode,
-                )
-                .expect("backward_full");
-            results.push(("backward_full d_input", crate::values(d_input.as_slice())));
-            ::conv_runtime::Parameters::visit_mut(&mut layer, &grads, &mut |_, _, g| {
-                results.push(("gradient", crate::values(g)));
-            });
-        }
-        // The running statistics the training forward pass updated.
-        let mut copy = ::core::clone::Clone::clone(&layer);
-        ::conv_runtime::Parameters::visit_buffers_mut(&mut copy, &mut |_, b| {
-            results.push((
-                "running statistics",
-                crate::values(::conv_runtime::ParamTensor::values(b)),
-            ));
-        });
-        results
-    }};
-}
-
-/// Values as f64, for comparison.
-fn values<E: conv_runtime::Element>(v: &[E]) -> Vec<f64> {
-    v.iter().map(|x| x.to_f64()).collect()
-}
-
-/// Bit-identical results, operation by operation.
-fn same(ours: &[(&str, Vec<f64>)], twin: &[(&str, Vec<f64>)]) {
-    ::core::assert_eq!(ours.len(), twin.len());
-    for ((what, a), (_, b)) in ours.iter().zip(twin) {
-        let same_bits =
-            a.len() == b.len() && a.iter().zip(b).all(|(x, y)| x.to_bits() == y.to_bits());
-        ::core::assert!(same_bits, "{what} differs from the twin's");
-    }
 }
 
 families!(private_names);

@@ -15,7 +15,7 @@ macro_rules! spec {
             /// One `Cpu` serving two layers, and a layer whose parameters change in place.
             #[test]
             fn cpu_caches_follow_the_parameters() {
-                let mut cpu = Cpu::default();
+                let mut cpu = crate::common::cpu();
                 let ((mut a, mut params_a), (b, params_b)) = (layer(SEED), layer(SEED + 1));
                 check_evaluate::<1>(&mut cpu, &a, &params_a);
                 check_evaluate::<1>(&mut cpu, &b, &params_b);

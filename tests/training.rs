@@ -75,7 +75,7 @@ macro_rules! network {
                 let train = dataset(TRAIN, &mut rng);
                 let test = dataset(TEST, &mut rng);
 
-                let mut cpu = Cpu::default();
+                let mut cpu = crate::common::cpu();
                 let mut conv1 = Conv1::new(&mut rng);
                 let mut conv2 = Conv2::new(&mut rng);
                 let mut readout = Readout::new(&mut rng);

@@ -111,6 +111,25 @@ pub fn backward<A: Activation, T: Element>(
     run::<A, T>(d_output, pre, output, dz)
 }
 
+/// [`backward`] on the pool's threads, the elements cut into one contiguous range per worker
+/// (each element is computed alone: the partition does not change the results).
+pub fn backward_on<A: Activation, T: Element>(
+    pool: &crate::cpu::Pool,
+    d_output: &[T],
+    pre: &[T],
+    output: &[T],
+    dz: &mut [T::Acc],
+) where
+    T::Acc: Send,
+{
+    let dzs = crate::cpu::Shared::new(dz);
+    pool.split(dzs.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let dz = unsafe { dzs.part(r.start, r.len()) };
+        backward::<A, T>(&d_output[r.clone()], &pre[r.clone()], &output[r], dz);
+    });
+}
+
 fn c<R: Real>(x: f64) -> R {
     R::from_f64(x)
 }

@@ -1,8 +1,12 @@
-//! The CPU device: scratch memory and the cache of weights repacked into kernel order.
+//! The CPU device: its threads, scratch memory and the cache of weights repacked into kernel
+//! order.
 
 use std::any::Any;
+use std::marker::PhantomData;
+use std::ops::Range;
 
 use crate::element::Real;
+use crate::{Error, Result};
 
 /// Whether a forward pass trains (BatchNorm uses and updates batch statistics) or evaluates.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
@@ -60,16 +64,28 @@ fn aligned_offset<A>(v: &[A]) -> usize {
 /// forward and a backward layout. Least recently used is dropped first.
 const PACK_CAPACITY: usize = 32;
 
-/// The generated CPU code's device: single-threaded, deterministic.
+/// The generated CPU code's device: deterministic on any number of threads.
 ///
-/// It owns reusable scratch memory and a small cache of weights repacked into the order each
+/// It owns its threads (`Cpu::default()` has one, the caller's; [`Cpu::with_threads`] adds a
+/// pool), reusable scratch memory and a small cache of weights repacked into the order each
 /// kernel reads them, keyed by the weights' content stamp (see [`crate::Tensor`]), so a
 /// parameter change costs one repack and an unchanged layer none.
+///
+/// Every operation splits its work into parts the macro chose from the spec (output pixels,
+/// images, weight-gradient positions), runs them on the device's threads, and sums every
+/// reduction (weight, bias and normalization gradients, statistics) over a fixed number of
+/// partial sums in a fixed order: results are bit-identical for every thread count. Calls whose
+/// work is too small to pay for a hand-off stay on the calling thread.
+///
+/// Threads are the device's own: two devices with 4 threads each use 8 cores (plus their
+/// callers, which work too). Size devices so that their threads add up to the cores, e.g.
+/// `Cpu::with_threads(cores / actors)` for one device per actor thread.
 #[derive(Default)]
 pub struct Cpu {
     packs: Vec<Packed>,
     clock: u64,
     scratch: Scratch,
+    pool: Pool,
 }
 
 /// Reusable scratch memory, one buffer per scalar type.
@@ -80,11 +96,151 @@ pub struct Scratch {
     f64: Vec<f64>,
 }
 
+/// Multiply-adds (or element operations, for the memory-bound passes) below which a part of a
+/// call is not worth handing to another thread: about 10-20 us of the kernels' work, against a
+/// hand-off of a few microseconds. A call with less than twice this runs on the calling thread.
+pub const MIN_PART_WORK: usize = 1 << 20;
+
+/// The threads of a device: the calling thread and `threads - 1` pool threads.
+#[doc(hidden)]
+#[derive(Default)]
+pub struct Pool {
+    /// `None` for one thread.
+    pool: Option<rayon::ThreadPool>,
+    /// The least work per part (0: [`MIN_PART_WORK`]).
+    min_work: usize,
+}
+
+impl Pool {
+    /// Threads that work on a call, the caller's included.
+    pub fn threads(&self) -> usize {
+        self.pool
+            .as_ref()
+            .map_or(1, |p| p.current_num_threads() + 1)
+    }
+
+    /// A pool of `threads` threads in all (the caller's and `threads - 1` of its own).
+    pub fn new(threads: usize) -> Result<Self> {
+        let operation = "starting a CPU thread pool";
+        if threads == 0 {
+            return Err(Error::new(operation, "a device needs at least one thread"));
+        }
+        if threads == 1 {
+            return Ok(Self::default());
+        }
+        let pool = rayon::ThreadPoolBuilder::new()
+            .num_threads(threads - 1)
+            .thread_name(|i| format!("conv2d-cpu-{i}"))
+            .build()
+            .map_err(|e| Error::new(operation, e.to_string()))?;
+        Ok(Self {
+            pool: Some(pool),
+            min_work: 0,
+        })
+    }
+
+    /// Workers for a call of `parts` parts and `work` multiply-adds (or element operations,
+    /// for the memory-bound passes): one per part, up to the thread count, none with less than
+    /// [`MIN_PART_WORK`].
+    pub fn workers(&self, parts: usize, work: usize) -> usize {
+        let least = if self.min_work == 0 {
+            MIN_PART_WORK
+        } else {
+            self.min_work
+        };
+        (work / least).clamp(1, parts.max(1)).min(self.threads())
+    }
+
+    /// Runs `f(worker, parts)` for each of [`Pool::workers`]`(parts, work)` workers, the parts
+    /// `0..parts` dealt in contiguous ranges (the first worker on the calling thread), and
+    /// returns when all are done; a panic in a worker is resumed here. A partition is the
+    /// caller's: results that must not depend on the thread count come from parts that do not.
+    pub fn run(&self, parts: usize, work: usize, f: &(dyn Fn(usize, Range<usize>) + Sync)) {
+        let workers = self.workers(parts, work);
+        let range = |w: usize| w * parts / workers..(w + 1) * parts / workers;
+        match &self.pool {
+            Some(pool) if workers > 1 => pool.in_place_scope(|scope| {
+                for w in 1..workers {
+                    scope.spawn(move |_| f(w, range(w)));
+                }
+                f(0, range(0));
+            }),
+            _ => f(0, 0..parts),
+        }
+    }
+
+    /// `f(part)` for every part of `0..parts`, on the workers (see [`Pool::run`]).
+    pub fn each(&self, parts: usize, work: usize, f: &(dyn Fn(usize) + Sync)) {
+        self.run(parts, work, &|_, range| range.for_each(f));
+    }
+
+    /// `f(range)` over `0..len` cut into one contiguous range per worker, for passes whose
+    /// partition does not change the results; `work` per item, as in [`Pool::workers`].
+    pub fn split(&self, len: usize, work: usize, f: &(dyn Fn(Range<usize>) + Sync)) {
+        let total = len.saturating_mul(work);
+        let parts = self.workers(len, total);
+        self.each(parts, total, &|p| f(p * len / parts..(p + 1) * len / parts));
+    }
+}
+
+/// The work of one element of a memory-bound pass (activation, normalization, conversion), in
+/// the multiply-adds [`Pool::workers`] counts.
+pub const ELEMENT_WORK: usize = 16;
+
 impl std::fmt::Debug for Cpu {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Cpu")
+            .field("threads", &self.threads())
             .field("packed_entries", &self.packs.len())
             .finish()
+    }
+}
+
+/// A mutable slice that the workers of one call write in disjoint parts.
+#[doc(hidden)]
+#[derive(Clone, Copy)]
+pub struct Shared<'a, T> {
+    ptr: *mut T,
+    len: usize,
+    _slice: PhantomData<&'a mut [T]>,
+}
+
+// SAFETY: only disjoint parts are handed out (the contract of `part`), each to one worker.
+unsafe impl<T: Send> Send for Shared<'_, T> {}
+unsafe impl<T: Send> Sync for Shared<'_, T> {}
+
+impl<'a, T> Shared<'a, T> {
+    pub fn new(slice: &'a mut [T]) -> Self {
+        Self {
+            ptr: slice.as_mut_ptr(),
+            len: slice.len(),
+            _slice: PhantomData,
+        }
+    }
+
+    /// Elements `start..start + len`.
+    ///
+    /// # Safety
+    /// No two parts in use at the same time overlap.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn part(&self, start: usize, len: usize) -> &'a mut [T] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "part {start}..{} of a slice of {}",
+            start + len,
+            self.len
+        );
+        // SAFETY: in bounds (checked); disjoint from every other part in use (the caller's
+        // contract).
+        unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+
+    pub fn len(&self) -> usize {
+        self.len
+    }
+
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
     }
 }
 
@@ -115,12 +271,50 @@ pub struct Workspace<'a, A> {
     /// so kernels clear what they accumulate into (clearing all of it cost more than some
     /// small layers' convolutions).
     pub scratch: &'a mut [A],
+    /// The device's threads.
+    pub pool: &'a Pool,
 }
 
 impl Cpu {
-    /// A device with empty caches.
+    /// A one-thread device (the caller's) with empty caches: what RL set-ups with one device
+    /// per actor thread want.
     pub fn new() -> Self {
         Self::default()
+    }
+
+    /// A device computing on `threads` threads: the caller's and `threads - 1` of its own.
+    /// Zero threads, or threads the system cannot start, are an error.
+    pub fn with_threads(threads: usize) -> Result<Self> {
+        Ok(Self {
+            pool: Pool::new(threads)?,
+            ..Self::default()
+        })
+    }
+
+    /// A device with a thread per core the system reports ([`std::thread::available_parallelism`]).
+    pub fn all_cores() -> Result<Self> {
+        let cores = std::thread::available_parallelism()
+            .map_err(|e| Error::new("Cpu::all_cores", format!("the core count is unknown: {e}")))?;
+        Self::with_threads(cores.get())
+    }
+
+    /// The threads this device computes on, the caller's included.
+    pub fn threads(&self) -> usize {
+        self.pool.threads()
+    }
+
+    /// The device, splitting every call among its threads however small (for tests of the
+    /// parallel paths on small layers).
+    #[doc(hidden)]
+    pub fn __split_everything(mut self) -> Self {
+        self.pool.min_work = 1;
+        self
+    }
+
+    /// The device's threads, for generated code outside a workspace.
+    #[doc(hidden)]
+    pub fn __pool(&self) -> &Pool {
+        &self.pool
     }
 
     /// Packed parameters for `key` (built by `pack` on a miss) and `scratch_len` scratch
@@ -186,6 +380,7 @@ impl Cpu {
         Workspace {
             packed,
             scratch: aligned(A::buffer(&mut self.scratch), scratch_len),
+            pool: &self.pool,
         }
     }
 

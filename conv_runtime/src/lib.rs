@@ -110,7 +110,7 @@ pub mod __private {
     pub use crate::__if_cuda as if_cuda;
     pub use crate::__if_onednn as if_onednn;
     pub use crate::activation::{self, Activation};
-    pub use crate::cpu::{CpuScalar, PackKey, Workspace};
+    pub use crate::cpu::{CpuScalar, PackKey, Pool, Shared, Workspace, ELEMENT_WORK};
     #[cfg(feature = "cuda")]
     pub use crate::cuda;
     pub use crate::init::kaiming_uniform;

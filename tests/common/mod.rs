@@ -13,6 +13,8 @@ mod spec_tests;
 mod case_list;
 #[macro_use]
 pub mod conformance;
+#[macro_use]
+pub mod operations;
 pub mod quadrants;
 
 /// `[h, w]` from a spec size written `n` or `[h, w]`.
@@ -35,7 +37,19 @@ macro_rules! or_default {
     };
 }
 
-use conv_runtime::prelude::{Element, Mode};
+use conv_runtime::prelude::{Cpu, Element, Mode};
+
+/// The CPU device of the numeric suites: one thread, or `CONV2D_TEST_THREADS` threads that
+/// split every call however small (scripts/test.sh runs the suites both ways).
+pub fn cpu() -> Cpu {
+    let threads = std::env::var("CONV2D_TEST_THREADS")
+        .ok()
+        .and_then(|t| t.parse().ok())
+        .unwrap_or(1);
+    Cpu::with_threads(threads)
+        .expect("CONV2D_TEST_THREADS")
+        .__split_everything()
+}
 use serde_json::Value;
 
 /// The shape constants of a generated layer type, in the order of [`Spec::constants`].

@@ -70,14 +70,14 @@ macro_rules! spec_tests {
 
         #[test]
         fn evaluate() {
-            let ((layer, params), mut cpu) = (layer(SEED), Cpu::default());
+            let ((layer, params), mut cpu) = (layer(SEED), crate::common::cpu());
             check_evaluate::<{ Layer::BATCH_SIZE }>(&mut cpu, &layer, &params);
             check_evaluate::<OTHER_BATCH>(&mut cpu, &layer, &params);
         }
 
         #[test]
         fn forward() {
-            let ((mut layer, params), mut cpu) = (layer(SEED), Cpu::default());
+            let ((mut layer, params), mut cpu) = (layer(SEED), crate::common::cpu());
             let (mut data, mut state) = (SplitMix64::new(SEED), LayerState::new());
             // The second pass reuses the state of the first.
             for pass in 0..2 {
@@ -92,7 +92,7 @@ macro_rules! spec_tests {
 
         #[test]
         fn backward_full() {
-            let ((mut layer, params), mut cpu) = (layer(SEED), Cpu::default());
+            let ((mut layer, params), mut cpu) = (layer(SEED), crate::common::cpu());
             let mut data = SplitMix64::new(SEED);
             let x = Tensor::from_vec(convert(&data.values(SPEC.batch * SAMPLE))).unwrap();
             let [oh, ow] = SPEC.output();

@@ -25,13 +25,13 @@ use crate::spec::Spec;
 /// gradients (`QC * OC` values) stay in L1 across the position blocks.
 const CHUNK: usize = 64;
 
-/// How the backward pass gets the input gradient: the scratch it needs (`dx`), how it
-/// prepares it, and the calls that fill `d_input`.
+/// How the backward pass gets the input gradient, one image at a time: the scratch each worker
+/// needs (`dx`, one image's), and the calls that fill image `n` of `d_input` (with `dz` the
+/// batch's output gradient, `packed` the packed weights and `zero_row` `OC` zeros).
 struct DataPath {
     kernel: TokenStream,
     dx_len: TokenStream,
-    prepare: TokenStream,
-    run: TokenStream,
+    image: TokenStream,
 }
 
 pub fn expand(spec: &Spec) -> TokenStream {
@@ -121,21 +121,19 @@ fn data_kernel(spec: &Spec) -> DataPath {
         quote!(dz: &[__A], w: &[__A], dx: &mut [__A], zero_row: &[__A]),
         quote!(dz, w, dx, zero_row),
         quote! {
-            ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC && w.len() == __DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == __BATCH * __XH * __XW * __IC + __L && zero_row.len() >= __OC);
-            let total = __BATCH * __NPIX;
+            ::core::debug_assert!(dz.len() >= __NPIX * __OC && w.len() == __DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == __XH * __XW * __IC + __L && zero_row.len() >= __OC);
             let (dz, w, dx) = (dz.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
             let mut q0 = 0;
-            while q0 < total {
+            while q0 < __NPIX {
                 // Pixels past the end of a partial tile read a zero gradient: they add nothing.
                 let dzs: [*const __A; __DP] = ::core::array::from_fn(|p| {
-                    if q0 + p < total { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
+                    if q0 + p < __NPIX { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
                 });
                 let bases: [*mut __A; __DP] = ::core::array::from_fn(|p| {
-                    let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / __NPIX, q % __NPIX);
-                    let (oh, ow) = (r / __OW, r % __OW);
-                    dx.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
+                    let q = if q0 + p < __NPIX { q0 + p } else { __NPIX - 1 };
+                    let (oh, ow) = (q / __OW, q % __OW);
+                    dx.add((oh * __SH * __XW + ow * __SW) * __IC)
                 });
                 for kh in 0..__KH {
                     let rows: [*mut __A; __DP] = ::core::array::from_fn(|p| bases[p].add(kh * __XW * __IC));
@@ -153,15 +151,14 @@ fn data_kernel(spec: &Spec) -> DataPath {
     } else {
         quote!(dst.copy_from_slice(src))
     };
-    let run = quote! {
+    let image = quote! {
+        dx.fill(0.0);
         // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-        unsafe { __data_tiles(dz, packed, dx, zero_row) };
-        for n in 0..__BATCH {
-            for h in 0..__IH {
-                let src = &dx[((n * __XH + h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
-                let dst = &mut d_input[(n * __IH + h) * __IW * __IC..][..__IW * __IC];
-                #store;
-            }
+        unsafe { __data_tiles(&dz[n * __NPIX * __OC..], packed, dx, zero_row) };
+        for h in 0..__IH {
+            let src = &dx[((h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
+            let dst = &mut d_input[h * __IW * __IC..][..__IW * __IC];
+            #store;
         }
     };
     let kernel = quote! {
@@ -193,9 +190,9 @@ fn data_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        dx_len: quote!(__BATCH * __XH * __XW * __IC + __L),
-        prepare: quote!(dx.fill(0.0);),
-        run,
+        // One padded image, and `L` elements of slack past it for whole-vector stores.
+        dx_len: quote!(__XH * __XW * __IC + __L),
+        image,
     }
 }
 
@@ -287,9 +284,9 @@ fn gather_kernel(spec: &Spec) -> DataPath {
         quote!(zp: &[__A], w: &[__A], dx: &mut [__T]),
         quote!(zp, w, dx),
         quote! {
-            ::core::debug_assert!(zp.len() == __BATCH * __ZH * __ZW * __GOCP && w.len() == __DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == __BATCH * __IH * __IW * __IC);
-            let total = __BATCH * __IH * __IW;
+            ::core::debug_assert!(zp.len() == __ZH * __ZW * __GOCP && w.len() == __DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == __IH * __IW * __IC);
+            let total = __IH * __IW;
             let (zp, w, dx) = (zp.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
             let mut q0 = 0;
             while q0 < total {
@@ -297,9 +294,8 @@ fn gather_kernel(spec: &Spec) -> DataPath {
                 // Each pixel's `dz` at kernel offset (0, 0); pixels past the end repeat the last.
                 let zs: [*const __A; __GP] = ::core::array::from_fn(|p| {
                     let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / (__IH * __IW), q % (__IH * __IW));
-                    let (h, x) = (r / __IW, r % __IW);
-                    zp.add(((n * __ZH + h + __PH + __TPH) * __ZW + x + __PW + __TPW) * __GOCP)
+                    let (h, x) = (q / __IW, q % __IW);
+                    zp.add(((h + __PH + __TPH) * __ZW + x + __PW + __TPW) * __GOCP)
                 });
                 #init
                 for kh in 0..__KH {
@@ -333,25 +329,23 @@ fn gather_kernel(spec: &Spec) -> DataPath {
             }
         }
 
-        /// `dz` into the zero-bordered, channel-padded `zp`, every element written.
+        /// One image's `dz` into the zero-bordered, channel-padded `zp`, every element written.
         fn __pad_gradient(dz: &[__A], zp: &mut [__A]) {
-            for n in 0..__BATCH {
-                for zh in 0..__ZH {
-                    let row = &mut zp[(n * __ZH + zh) * __ZW * __GOCP..][..__ZW * __GOCP];
-                    if zh < __TPH || zh >= __TPH + __OH {
-                        row.fill(0.0);
-                        continue;
-                    }
-                    row[..__TPW * __GOCP].fill(0.0);
-                    row[(__TPW + __OW) * __GOCP..].fill(0.0);
-                    let src = &dz[(n * __OH + zh - __TPH) * __OW * __OC..][..__OW * __OC];
-                    for (dst, src) in row[__TPW * __GOCP..(__TPW + __OW) * __GOCP]
-                        .chunks_exact_mut(__GOCP)
-                        .zip(src.chunks_exact(__OC))
-                    {
-                        dst[..__OC].copy_from_slice(src);
-                        dst[__OC..].fill(0.0);
-                    }
+            for zh in 0..__ZH {
+                let row = &mut zp[zh * __ZW * __GOCP..][..__ZW * __GOCP];
+                if zh < __TPH || zh >= __TPH + __OH {
+                    row.fill(0.0);
+                    continue;
+                }
+                row[..__TPW * __GOCP].fill(0.0);
+                row[(__TPW + __OW) * __GOCP..].fill(0.0);
+                let src = &dz[(zh - __TPH) * __OW * __OC..][..__OW * __OC];
+                for (dst, src) in row[__TPW * __GOCP..(__TPW + __OW) * __GOCP]
+                    .chunks_exact_mut(__GOCP)
+                    .zip(src.chunks_exact(__OC))
+                {
+                    dst[..__OC].copy_from_slice(src);
+                    dst[__OC..].fill(0.0);
                 }
             }
         }
@@ -360,10 +354,10 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        dx_len: quote!(__BATCH * __ZH * __ZW * __GOCP),
-        prepare: TokenStream::new(),
-        run: quote! {
-            __pad_gradient(&dz[..__BATCH * __NPIX * __OC], dx);
+        dx_len: quote!(__ZH * __ZW * __GOCP),
+        image: quote! {
+            let _ = zero_row;
+            __pad_gradient(&dz[n * __NPIX * __OC..][..__NPIX * __OC], dx);
             // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
             unsafe { __gather_tiles(dx, packed, d_input) };
         },
@@ -425,13 +419,17 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
         "weight_tiles",
         TokenStream::new(),
         TokenStream::new(),
-        quote!(x: &[__A], dz: &[__A], dw: &mut [__A]),
-        quote!(x, dz, dw),
+        quote!(x: &[__A], dz: &[__A], dw: #rt::Shared<'_, __A>, blocks: ::core::ops::Range<usize>),
+        quote!(x, dz, dw, blocks),
         quote! {
             ::core::debug_assert!(x.len() >= __BATCH * __XH * __XW * __IC);
             ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC + __L && dw.len() == (__WINDOW + 1) * __OCP);
             let total = __BATCH * __NPIX;
-            let (x, dz, dw) = (x.as_ptr(), dz.as_ptr(), dw.as_mut_ptr());
+            // The rows of this worker's position blocks (the sink row with the last block).
+            let first_row = blocks.start * __P;
+            let end_row = if blocks.end * __P < __WINDOW { blocks.end * __P } else { __WINDOW + 1 };
+            let rows_part = dw.part(first_row * __OCP, (end_row - first_row) * __OCP);
+            let (x, dz, dw) = (x.as_ptr(), dz.as_ptr(), rows_part.as_mut_ptr());
             let mut q0 = 0;
             while q0 < total {
                 let count = if total - q0 < __CHUNK { total - q0 } else { __CHUNK };
@@ -441,15 +439,16 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
                     let (oh, ow) = (r / __OW, r % __OW);
                     *o = ((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC;
                 }
-                let mut r0 = 0;
-                while r0 < __WINDOW {
+                let mut r0 = blocks.start * __P;
+                while r0 < blocks.end * __P {
                     // Positions past the window repeat the last one into the sink row.
                     let offs: [usize; __P] = ::core::array::from_fn(|i| {
                         let r = if r0 + i < __WINDOW { r0 + i } else { __WINDOW - 1 };
                         (r / __SEG) * __XW * __IC + r % __SEG
                     });
                     let rows: [*mut __A; __P] = ::core::array::from_fn(|i| {
-                        dw.add(if r0 + i < __WINDOW { r0 + i } else { __WINDOW } * __OCP)
+                        let row = if r0 + i < __WINDOW { r0 + i } else { __WINDOW };
+                        dw.add((row - first_row) * __OCP)
                     });
                     #calls
                     r0 += __P;
@@ -461,6 +460,9 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let chunk = lit(CHUNK);
     quote! {
         const __CHUNK: usize = #chunk;
+        /// Blocks of `P` window positions: the weight gradient's parts (each sums over every
+        /// pixel in order, so the partition does not change the results).
+        const __WBLOCKS: usize = __WINDOW.div_ceil(__P);
         /// Window positions per kernel row (`KW * IC`, contiguous in NHWC).
         const __SEG: usize = __KW * __IC;
         #kernel
@@ -469,23 +471,19 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
 }
 
 /// `backward_pass`: the output gradient through activation and norm (`d_conv`), then the bias,
-/// weight and input gradients that were asked for.
+/// weight and input gradients that were asked for, each on the device's threads: the weight
+/// gradient by blocks of window positions, the input gradient by images.
 fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     let rt = rt();
     let input = if staged(spec) {
         quote! {
-            __stage::<{ __BATCH }>(x, x_scratch);
+            __stage::<{ __BATCH }>(pool, x, x_scratch);
             let xa: &[__A] = x_scratch;
         }
     } else {
         quote!(let xa: &[__A] = x;)
     };
-    let DataPath {
-        dx_len,
-        prepare,
-        run,
-        ..
-    } = path;
+    let DataPath { dx_len, image, .. } = path;
     let bias = bias_gradient();
     pass_fn(
         spec,
@@ -497,11 +495,14 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
             } else {
                 (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
             };
-            let dx_len = if data { #dx_len } else { 0 };
+            let work = __BATCH * __NPIX * __WINDOW * __OCP;
+            // One image's input gradient per worker.
+            let workers = cpu.__pool().workers(__BATCH, work);
+            let dx_len = if data { workers * (#dx_len) } else { 0 };
             let dw_len = if weights { (__WINDOW + 1) * __OCP } else { 0 };
             let x_len = if weights && __STAGED { __BATCH * __XH * __XW * __IC } else { 0 };
             let lens = (__BATCH * __NPIX * __OC + __L) + __OC + dx_len + dw_len + x_len;
-            let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
+            let #rt::Workspace { packed, scratch, pool } = cpu.__workspace::<__A>(
                 key,
                 packed_len,
                 |out| {
@@ -514,20 +515,29 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
             // `dz` has `L` zeros past its end for the weight kernel's whole-vector loads.
             let (dz, rest) = scratch.split_at_mut(__BATCH * __NPIX * __OC + __L);
             let (zero_row, rest) = rest.split_at_mut(__OC);
-            let (dx, rest) = rest.split_at_mut(dx_len);
+            let (dxs, rest) = rest.split_at_mut(dx_len);
             let (dw, x_scratch) = rest.split_at_mut(dw_len);
             // Scratch is not cleared by the device: zero what is accumulated into or read as 0.
             dz[__BATCH * __NPIX * __OC..].fill(0.0);
             zero_row.fill(0.0);
-            #prepare
-            dw.fill(0.0);
-            __d_conv(layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..__BATCH * __NPIX * __OC]);
+            __d_conv(pool, layer, state, d_output, mode, grads.as_deref_mut(), &mut dz[..__BATCH * __NPIX * __OC]);
+            let (dz, zero_row): (&[__A], &[__A]) = (dz, zero_row);
 
             if let ::core::option::Option::Some(g) = grads {
                 #input
                 #bias
-                // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-                unsafe { __weight_tiles(xa, dz, dw) };
+                let dw = #rt::Shared::new(dw);
+                pool.run(__WBLOCKS, work, &|_, blocks| {
+                    let rows = blocks.start * __P..if blocks.end * __P < __WINDOW { blocks.end * __P } else { __WINDOW + 1 };
+                    // SAFETY: the worker's own rows (cleared here: scratch is not), the slices
+                    // have the lengths the kernel is built on (checked in debug).
+                    unsafe {
+                        dw.part(rows.start * __OCP, rows.len() * __OCP).fill(0.0);
+                        __weight_tiles(xa, dz, dw, blocks);
+                    }
+                });
+                // SAFETY: the workers are done.
+                let dw = unsafe { dw.part(0, dw.len()) };
                 let gw = g.weights.as_mut_slice();
                 for r in 0..__WINDOW {
                     for c in 0..__OC {
@@ -537,7 +547,15 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
             }
 
             if let ::core::option::Option::Some(d_input) = d_input {
-                #run
+                let (d_inputs, dxs) = (#rt::Shared::new(d_input), #rt::Shared::new(dxs));
+                pool.run(__BATCH, work, &|worker, images| {
+                    // SAFETY: the worker's own scratch image and input images.
+                    let dx = unsafe { dxs.part(worker * (#dx_len), #dx_len) };
+                    for n in images {
+                        let d_input = unsafe { d_inputs.part(n * __IH * __IW * __IC, __IH * __IW * __IC) };
+                        #image
+                    }
+                });
             }
         },
     )
@@ -571,18 +589,28 @@ pub fn pass_fn(spec: &Spec, body: TokenStream) -> TokenStream {
 }
 
 /// Adds the output gradient `dz` (`BATCH * NPIX * OC` first elements) summed over pixels into
-/// the bias gradient of `g`.
+/// the bias gradient of `g`: per reduction part on the pool's threads, then in part order.
 pub fn bias_gradient() -> TokenStream {
+    let rt = rt();
     quote! {
-        // Summed in a local copy (same order): stores through the gradient's slice may alias
-        // `dz` for all the compiler knows, which kept the loop scalar.
-        let db = &mut g.biases.as_mut_slice()[..__OC];
-        let mut sum: [_; __OC] = ::core::array::from_fn(|c| db[c]);
-        for px in dz[..__BATCH * __NPIX * __OC].chunks_exact(__OC) {
-            for c in 0..__OC {
-                sum[c] += px[c];
-            }
+        let mut partial = [[0.0 as __A; __OC]; __RPARTS];
+        {
+            let sums = #rt::Shared::new(&mut partial[..]);
+            pool.each(__RPARTS, __BATCH * __NPIX * __OC, &|p| {
+                // SAFETY: each part's own partial.
+                let sum = &mut unsafe { sums.part(p, 1) }[0];
+                let rows = __part_rows(p);
+                for px in dz[rows.start * __OC..rows.end * __OC].chunks_exact(__OC) {
+                    for c in 0..__OC {
+                        sum[c] += px[c];
+                    }
+                }
+            });
         }
-        db.copy_from_slice(&sum);
+        let sum = __sum_parts(&partial);
+        let db = g.biases.as_mut_slice();
+        for c in 0..__OC {
+            db[c] += sum[c];
+        }
     }
 }

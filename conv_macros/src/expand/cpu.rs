@@ -108,25 +108,30 @@ fn constants(spec: &Spec, blk: &Blocking) -> TokenStream {
     usize_consts(&pairs)
 }
 
-/// `stage(x, xa)`: the input in the accumulator type with a zero border, where the kernels
-/// need a copy (padding or a half type).
+/// `stage(pool, x, xa)`: the input in the accumulator type with a zero border, where the
+/// kernels need a copy (padding or a half type), the images shared among the workers.
 fn stage_fn(spec: &Spec) -> TokenStream {
     let rt = rt();
     if staged(spec) {
         quote! {
             const __STAGED: bool = true;
             /// Copies `B` images into `xa` (`B * XH * XW * IC`) inside a zero border.
-            fn __stage<const __B: usize>(x: &[__T], xa: &mut [__A]) {
-                if __PH + __PW > 0 {
-                    xa.fill(0.0);
-                }
-                for n in 0..__B {
-                    for h in 0..__IH {
-                        let src = &x[(n * __IH + h) * __IW * __IC..][..__IW * __IC];
-                        let dst = &mut xa[((n * __XH + h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
-                        <__T as #rt::Element>::to_acc_slice(src, dst);
+            fn __stage<const __B: usize>(pool: &#rt::Pool, x: &[__T], xa: &mut [__A]) {
+                let xa = #rt::Shared::new(xa);
+                pool.each(__B, __B * __XH * __XW * __IC, &|n| {
+                    {
+                        // SAFETY: each image is one part's.
+                        let image = unsafe { xa.part(n * __XH * __XW * __IC, __XH * __XW * __IC) };
+                        if __PH + __PW > 0 {
+                            image.fill(0.0);
+                        }
+                        for h in 0..__IH {
+                            let src = &x[(n * __IH + h) * __IW * __IC..][..__IW * __IC];
+                            let dst = &mut image[((h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
+                            <__T as #rt::Element>::to_acc_slice(src, dst);
+                        }
                     }
-                }
+                });
             }
         }
     } else {
@@ -159,7 +164,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let stage_call = if staged(spec) {
         quote! {
             let (xa, rest) = ws.scratch.split_at_mut(__B * __XH * __XW * __IC);
-            __stage::<{ __B }>(x, xa);
+            __stage::<{ __B }>(pool, x, xa);
             let xa: &[__A] = xa;
         }
     } else {
@@ -172,18 +177,21 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         quote!(const __B: usize, const __RELU: bool),
         quote!({ __B }, { __RELU }),
         quote! {
-            x: &[__A], w: &[__A], y: &mut [__A], tail: &mut [__A],
-            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
+            x: &[__A], w: &[__A], y: #rt::Shared<'_, __A>, tail: &mut [__A],
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            tiles: ::core::ops::Range<usize>,
         },
-        quote!(x, w, y, tail, epilogue),
+        quote!(x, w, y, tail, epilogue, tiles),
         quote! {
             ::core::debug_assert!(x.len() >= __B * __XH * __XW * __IC && w.len() == __PACKED_LEN);
             ::core::debug_assert!(y.len() == __B * __NPIX * __OC && tail.len() == __P * __OC);
             let total = __B * __NPIX;
             let (x, w) = (x.as_ptr(), w.as_ptr());
-            let mut q0 = 0;
-            while q0 < total {
+            for tile in tiles {
+                let q0 = tile * __P;
                 let valid = if total - q0 < __P { total - q0 } else { __P };
+                // SAFETY: the tiles of the workers are disjoint.
+                let yt = y.part(q0 * __OC, valid * __OC);
                 // Pixels past the end of a partial tile repeat the last one; their results go
                 // to `tail` and are dropped.
                 let xs: [*const __A; __P] = ::core::array::from_fn(|p| {
@@ -192,14 +200,12 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                     let (oh, ow) = (r / __OW, r % __OW);
                     x.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
                 });
-                let out: *mut __A =
-                    if valid == __P { y.as_mut_ptr().add(q0 * __OC) } else { tail.as_mut_ptr() };
+                let out: *mut __A = if valid == __P { yt.as_mut_ptr() } else { tail.as_mut_ptr() };
                 #block_calls
                 if valid < __P {
-                    y[q0 * __OC..(q0 + valid) * __OC].copy_from_slice(&tail[..valid * __OC]);
+                    yt.copy_from_slice(&tail[..valid * __OC]);
                 }
-                epilogue(&mut y[q0 * __OC..(q0 + valid) * __OC], q0, valid);
-                q0 += __P;
+                epilogue(yt, q0, valid);
             }
         },
     );
@@ -207,35 +213,49 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     quote! {
         /// Convolution + bias of `B` images into `ya` (accumulator type; `None`: scratch), with
         /// `epilogue(tile results, first pixel, pixels)` run on each finished tile while it is
-        /// in cache. `RELU` applies ReLU in registers.
+        /// in cache, on the device's threads (tiles of `P` pixels dealt in contiguous ranges).
+        /// `RELU` applies ReLU in registers.
         #[inline(always)]
         fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
             ya: ::core::option::Option<&mut [__A]>,
-            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
                 layout: #layout,
             };
+            // One part per worker: every output pixel is computed alone, so the partition does
+            // not change the results.
+            let (tiles, work) = ((__B * __NPIX).div_ceil(__P), __B * __NPIX * __WINDOW * __OCP);
+            let parts = cpu.__pool().workers(tiles, work);
             let y_scratch = if ya.is_some() { 0 } else { __B * __NPIX * __OC };
             let ws = cpu.__workspace::<__A>(
                 key,
                 __PACKED_LEN,
                 |out| __pack(layer.weights.as_slice(), layer.biases.as_slice(), out),
-                #staged_len + __P * __OC + y_scratch,
+                #staged_len + parts * __P * __OC + y_scratch,
             );
-            let w = ws.packed;
+            let (w, pool) = (ws.packed, ws.pool);
             #stage_call
-            let (tail, rest) = rest.split_at_mut(__P * __OC);
+            let (tails, rest) = rest.split_at_mut(parts * __P * __OC);
             let ya: &mut [__A] = match ya {
                 ::core::option::Option::Some(y) => y,
                 ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
             };
-            // SAFETY: every slice has the length the kernel is built on (checked in debug).
-            unsafe { __conv_tiles::<{ __B }, { __RELU }>(xa, w, ya, tail, epilogue) }
+            let (ya, tails) = (#rt::Shared::new(ya), #rt::Shared::new(tails));
+            pool.run(parts, work, &|_, range| {
+                let first = range.start * tiles / parts;
+                let end = range.end * tiles / parts;
+                // SAFETY: each worker has its own tail (`range` is its own), the tile ranges are
+                // disjoint, every slice has the length the kernel is built on (checked in debug).
+                unsafe {
+                    let tail = tails.part(range.start * __P * __OC, __P * __OC);
+                    __conv_tiles::<{ __B }, { __RELU }>(xa, w, ya, tail, epilogue, first..end);
+                }
+            });
         }
 
         #kernel
@@ -333,37 +353,42 @@ fn operations(spec: &Spec) -> TokenStream {
     };
     let relu = spec.activation == Activation::Relu;
 
+    // Epilogues run on the device's threads, each on its own tiles: outputs are written
+    // through `Shared` slices, in the tiles' disjoint pixel ranges.
+    let part = quote!(unsafe { out.part(q0 * __OC, n * __OC) });
     let (evaluate, forward) = match spec.norm {
         Norm::None if half => (
             quote! {
-                let out = output.as_mut_slice();
-                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                let out = #rt::Shared::new(output.as_mut_slice());
+                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
                     if !#relu { #apply(ya); }
-                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, #part);
                 });
             },
             quote! {
-                let pre = state.pre_activation.as_mut_slice();
-                let out = state.output.as_mut_slice();
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
-                    let range = q0 * __OC..(q0 + n) * __OC;
-                    #store(ya, &mut pre[range.clone()]);
+                let pre = #rt::Shared::new(state.pre_activation.as_mut_slice());
+                let out = #rt::Shared::new(state.output.as_mut_slice());
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, unsafe { pre.part(q0 * __OC, n * __OC) });
                     #apply(ya);
-                    #store(ya, &mut out[range]);
+                    #store(ya, #part);
                 });
             },
         ),
         Norm::None => (
             quote! {
                 // The tiles are the output itself: the activation runs in place, in cache.
-                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &mut |ya, _, _| {
+                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &|ya, _, _| {
                     if !#relu { #apply(ya); }
                 });
             },
             quote! {
-                let out = state.output.as_mut_slice();
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &mut |ya, q0, n| {
-                    #rt::activation::apply_to::<#act, _>(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
+                let out = #rt::Shared::new(state.output.as_mut_slice());
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &|ya, q0, n| {
+                    // SAFETY: the tile's own pixels.
+                    #rt::activation::apply_to::<#act, _>(ya, #part);
                 });
             },
         ),
@@ -372,32 +397,34 @@ fn operations(spec: &Spec) -> TokenStream {
                 // Running statistics fold into one scale and shift per channel, applied to
                 // each tile while it is in cache.
                 let (scale, shift) = __eval_affine(layer);
-                let out = output.as_mut_slice();
-                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
+                let out = #rt::Shared::new(output.as_mut_slice());
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
                     for px in ya.chunks_exact_mut(__OC) {
                         for c in 0..__OC {
                             px[c] = #f(px[c] * scale[c] + shift[c]);
                         }
                     }
-                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, #part);
                 });
             },
             quote! {
                 __conv_to_state(self, layer, input.as_slice(), state);
-                __norm_forward(layer, state, mode);
+                __norm_forward(self.__pool(), layer, state, mode);
             },
         ),
         Norm::LayerNorm { .. } => (
             quote! {
-                let out = output.as_mut_slice();
-                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &mut |ya, q0, n| {
-                    #store(ya, &mut out[q0 * __OC..(q0 + n) * __OC]);
+                let out = #rt::Shared::new(output.as_mut_slice());
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, #part);
                 });
-                __evaluate_norm(layer, out);
+                __evaluate_norm(self.__pool(), layer, output.as_mut_slice());
             },
             quote! {
                 __conv_to_state(self, layer, input.as_slice(), state);
-                __norm_forward(layer, state, mode);
+                __norm_forward(self.__pool(), layer, state, mode);
             },
         ),
     };

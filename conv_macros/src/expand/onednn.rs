@@ -75,7 +75,9 @@ fn native(spec: &Spec) -> TokenStream {
         _ => quote!(::core::option::Option::None),
     };
     let evaluate_post = match (norm, fused.is_some()) {
-        (true, _) => quote!(__evaluate_norm(layer, output.as_mut_slice());),
+        (true, _) => {
+            quote!(__evaluate_norm(self.__cpu(false).__pool(), layer, output.as_mut_slice());)
+        }
         (false, true) => TokenStream::new(),
         (false, false) => quote!(#apply(output.as_mut_slice());),
     };
@@ -83,7 +85,7 @@ fn native(spec: &Spec) -> TokenStream {
         quote! {
             let w = &layer.weights;
             self.__conv_forward(&__ONEDNN, __BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.conv.as_mut_slice())?;
-            __norm_forward(layer, state, mode);
+            __norm_forward(self.__cpu(false).__pool(), layer, state, mode);
         }
     } else {
         quote! {
@@ -108,18 +110,18 @@ fn native(spec: &Spec) -> TokenStream {
         },
         "backward_input" => quote! {
             let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
-            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::None, &mut dz);
+            __d_conv(self.__cpu(false).__pool(), layer, state, d_output.as_slice(), mode, ::core::option::Option::None, &mut dz);
             let w = &layer.weights;
             self.__conv_backward_data(&__ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())
         },
         "backward" => quote! {
             let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
-            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            __d_conv(self.__cpu(false).__pool(), layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
             self.__conv_backward_weights(&__ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())
         },
         _ => quote! {
             let mut dz = ::std::vec![0.0f32; __BATCH * __NPIX * __OC];
-            __d_conv(layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
+            __d_conv(self.__cpu(false).__pool(), layer, state, d_output.as_slice(), mode, ::core::option::Option::Some(&mut *grads), &mut dz);
             let w = &layer.weights;
             self.__conv_backward_data(&__ONEDNN, w.as_slice(), w.stamp(), &dz, d_input.as_mut_slice())?;
             self.__conv_backward_weights(&__ONEDNN, input.as_slice(), &dz, grads.weights.as_mut_slice(), grads.biases.as_mut_slice())

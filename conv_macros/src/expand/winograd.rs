@@ -134,6 +134,17 @@ pub fn plan(spec: &Spec) -> Option<Plan> {
     fits.then_some(plan)
 }
 
+/// Parts of the backward pass: whole images each, with a weight-gradient partial (`dU`,
+/// `U_LEN` values) of their own, summed in part order at the end, so that the results do not
+/// depend on the thread count. A power of two (threads usually are), at most 8 and at most one
+/// per 64 tiles: summing the partials reads `parts * U_LEN` values, which must stay small
+/// beside the products' `tiles * U_LEN` multiply-adds.
+fn weight_parts(spec: &Spec, plan: Plan) -> usize {
+    let tiles = spec.batch * spec.out_h().div_ceil(plan.m) * spec.out_w().div_ceil(plan.m);
+    let most = spec.batch.min(8).min((tiles / 64).max(1));
+    1 << most.ilog2()
+}
+
 /// Tile rows per chunk: the fewest rows computed for nothing by the `P`-row register tiles,
 /// then the chunk nearest `TARGET_TILES`.
 fn chunk_rows(spec: &Spec, plan: Plan) -> usize {
@@ -255,22 +266,32 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         quote!(const __B: usize, const __RELU: bool),
         quote!({ __B }, { __RELU }),
         quote! {
-            x: &[__T], xs: &mut [__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: &mut [__A],
-            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
+            x: &[__T], xs: &mut [__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: #rt::Shared<'_, __A>,
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            tile_rows: ::core::ops::Range<usize>,
         },
-        quote!(x, xs, u, v, m, y, epilogue),
+        quote!(x, xs, u, v, m, y, epilogue, tile_rows),
         quote! {
             ::core::debug_assert!(x.len() == __B * __IMAGE && xs.len() >= __XS_LEN);
             ::core::debug_assert!(u.len() == __U_LEN + __OC);
             ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && m.len() >= __ELEMS * __WCT * __OC);
             ::core::debug_assert!(y.len() == __B * __NPIX * __OC);
-            let rows_total = __B * __WTH;
             let (u, vp, mp) = (u.as_ptr(), v.as_mut_ptr(), m.as_mut_ptr());
             let bias = u.add(__U_LEN);
-            let (mut r0, mut staged) = (0, 0);
-            while r0 < rows_total {
-                let rows = if rows_total - r0 < __WROWS { rows_total - r0 } else { __WROWS };
+            // This worker's tile rows, in chunks from its first: the first stages the image it
+            // starts in.
+            let (mut r0, end) = (tile_rows.start, tile_rows.end);
+            let mut staged = r0 / __WTH;
+            while r0 < end {
+                let rows = if end - r0 < __WROWS { end - r0 } else { __WROWS };
                 let count = rows * __WTW;
+                // The chunk's whole tile rows are one contiguous range of output pixels.
+                let last = r0 + rows - 1;
+                let first = r0 / __WTH * __NPIX + __WM * (r0 % __WTH) * __OW;
+                let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
+                let end_pixel = last / __WTH * __NPIX + end_row * __OW;
+                // SAFETY: the chunks of the workers are disjoint.
+                let yt = y.part(first * __OC, (end_pixel - first) * __OC);
                 while !__DIRECT_INPUT && staged <= (r0 + rows - 1) / __WTH {
                     let slot = &mut xs[staged % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE];
                     __wino_stage(&x[staged * __IMAGE..][..__IMAGE], slot);
@@ -279,12 +300,12 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                 let source = if __DIRECT_INPUT { x.as_ptr() as *const __A } else { xs.as_ptr() };
                 __wino_input::<__S>(source, xs.as_mut_ptr(), vp, r0, count);
                 __wino_gemm::<__S>(vp, u, mp, count);
-                let yp = y.as_mut_ptr();
+                let yp = yt.as_mut_ptr();
                 for t in 0..count {
                     let (g, tw) = (r0 + t / __WTW, t % __WTW);
                     let (n, th) = (g / __WTH, g % __WTH);
                     let (oh, ow) = (__WM * th, __WM * tw);
-                    let base = yp.add(((n * __OH + oh) * __OW + ow) * __OC);
+                    let base = yp.add(((n * __OH + oh) * __OW + ow - first) * __OC);
                     // The tile's rows and columns inside the output.
                     let down = if __OH - oh < __WM { __OH - oh } else { __WM };
                     let right = if __OW - ow < __WM { __OW - ow } else { __WM };
@@ -300,12 +321,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                         }
                     }
                 }
-                // The chunk's whole tile rows are one contiguous range of output pixels.
-                let last = r0 + rows - 1;
-                let first = r0 / __WTH * __NPIX + __WM * (r0 % __WTH) * __OW;
-                let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
-                let end = last / __WTH * __NPIX + end_row * __OW;
-                epilogue(&mut y[first * __OC..end * __OC], first, end - first);
+                epilogue(yt, first, end_pixel - first);
                 r0 += rows;
             }
         },
@@ -376,37 +392,53 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         }
 
         /// Convolution + bias of `B` images into `ya` (`None`: scratch), with
-        /// `epilogue(results, first pixel, pixels)` run on each chunk while it is in cache.
-        /// `RELU` applies ReLU in registers.
+        /// `epilogue(results, first pixel, pixels)` run on each chunk while it is in cache, on
+        /// the device's threads (tile rows dealt in contiguous ranges, each worker with its own
+        /// scratch). `RELU` applies ReLU in registers.
         #[inline(always)]
         fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
             ya: ::core::option::Option<&mut [__A]>,
-            epilogue: &mut dyn ::core::ops::FnMut(&mut [__A], usize, usize),
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
                 layout: #layout,
             };
+            // One part per worker, of whole tile rows: every output is computed alone, so the
+            // partition does not change the results.
+            let rows = __B * __WTH;
+            let work = __B * __NPIX * __WINDOW * __OC;
+            let parts = cpu.__pool().workers(rows, work);
+            const __SCRATCH: usize = __XS_LEN + __ELEMS * __WCT * (__WIC + __OC);
             let y_scratch = if ya.is_some() { 0 } else { __B * __NPIX * __OC };
             let ws = cpu.__workspace::<__A>(
                 key,
                 __U_LEN + __OC,
                 // SAFETY: the packer indexes slices, checked.
                 |out| unsafe { __pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out) },
-                __XS_LEN + __ELEMS * __WCT * (__WIC + __OC) + y_scratch,
+                parts * __SCRATCH + y_scratch,
             );
-            let (xs, rest) = ws.scratch.split_at_mut(__XS_LEN);
-            let (v, rest) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
-            let (m, rest) = rest.split_at_mut(__ELEMS * __WCT * __OC);
+            let (packed, pool) = (ws.packed, ws.pool);
+            let (scratch, rest) = ws.scratch.split_at_mut(parts * __SCRATCH);
             let y: &mut [__A] = match ya {
                 ::core::option::Option::Some(y) => y,
                 ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
             };
-            // SAFETY: every slice has the length the kernel is built on (checked in debug).
-            unsafe { __wino_tiles::<{ __B }, { __RELU }>(x, xs, ws.packed, v, m, y, epilogue) }
+            let (y, scratch) = (#rt::Shared::new(y), #rt::Shared::new(scratch));
+            pool.run(parts, work, &|_, range| {
+                // SAFETY: each worker has its own scratch (`range` is its own) and chunks;
+                // every slice has the length the kernel is built on (checked in debug).
+                unsafe {
+                    let scratch = scratch.part(range.start * __SCRATCH, __SCRATCH);
+                    let (xs, rest) = scratch.split_at_mut(__XS_LEN);
+                    let (v, m) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
+                    let tile_rows = range.start * rows / parts..range.end * rows / parts;
+                    __wino_tiles::<{ __B }, { __RELU }>(x, xs, packed, v, m, y, epilogue, tile_rows);
+                }
+            });
         }
 
         #kernel
@@ -726,26 +758,28 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         TokenStream::new(),
         TokenStream::new(),
         quote! {
-            x: &[__T], xs: &mut [__A], g: __DzSource<'_>, dz: &mut [__A], ut: &[__A],
-            v: &mut [__A], n: &mut [__A], du: &mut [__A], dx: &mut [__A], d_input: &mut [__T],
+            x: &[__T], xs: &mut [__A], g: __DzSource<'_>, dz: &[__A], dzc: &mut [__A], ut: &[__A],
+            v: &mut [__A], n: &mut [__A], du: &mut [__A], dx: &mut [__A],
+            d_input: #rt::Shared<'_, __T>, images: ::core::ops::Range<usize>,
         },
-        quote!(x, xs, g, dz, ut, v, n, du, dx, d_input),
+        quote!(x, xs, g, dz, dzc, ut, v, n, du, dx, d_input, images),
         quote! {
             let (weights, data) = (!du.is_empty(), !dx.is_empty());
             ::core::debug_assert!(!weights || (x.len() == __BATCH * __IMAGE && du.len() == __U_LEN));
             ::core::debug_assert!(!weights || xs.len() >= __XS_LEN);
             ::core::debug_assert!(!data || (ut.len() == __U_LEN && dx.len() >= __SLOTS * __STAGED_IMAGE));
             ::core::debug_assert!(!data || d_input.len() == __BATCH * __IMAGE);
-            ::core::debug_assert!(dz.len() >= if __FUSED { __DZ_CHUNK } else { __BATCH * __NPIX * __OC });
+            ::core::debug_assert!(if __FUSED { dzc.len() >= __DZ_CHUNK } else { dz.len() >= __BATCH * __NPIX * __OC });
             ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && n.len() >= __ELEMS * __WCT * __OC);
-            let rows_total = __BATCH * __WTH;
             let ut = ut.as_ptr();
             let (vp, np, dup) = (v.as_mut_ptr(), n.as_mut_ptr(), du.as_mut_ptr());
             let __DzSource { d_output, pre, output, db } = g;
             // The bias gradient of the chunks' `dz`, one vector of output channels at a time.
             let mut bias = [__S::zero(); __OC / __L];
-            // Images staged so far, and gradients copied out.
-            let (mut r0, mut staged, mut done) = (0, 0, 0);
+            // The part's tile rows in chunks from its first image on; images staged so far, and
+            // gradients copied out.
+            let rows_total = images.end * __WTH;
+            let (mut r0, mut staged, mut done) = (images.start * __WTH, images.start, images.start);
             while r0 < rows_total {
                 let rows = if rows_total - r0 < __WROWS { rows_total - r0 } else { __WROWS };
                 let count = rows * __WTW;
@@ -762,28 +796,27 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 }
                 // `dz` of the chunk's outputs (one contiguous pixel range), unless the pass
                 // computed all of it first.
-                let origin = if __FUSED {
+                let (dzp, origin) = if __FUSED {
                     let last = r0 + rows - 1;
                     let first = r0 / __WTH * __NPIX + __WM * (r0 % __WTH) * __OW;
                     let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
                     let end = last / __WTH * __NPIX + end_row * __OW;
                     let range = first * __OC..end * __OC;
-                    let dzc = &mut dz[..range.len()];
+                    let chunk = &mut dzc[..range.len()];
                     #rt::activation::backward::<#act, __T>(
-                        &d_output[range.clone()], &pre[range.clone()], &output[range], dzc,
+                        &d_output[range.clone()], &pre[range.clone()], &output[range], chunk,
                     );
                     if !db.is_empty() {
-                        for px in dzc.chunks_exact(__OC) {
+                        for px in chunk.chunks_exact(__OC) {
                             for k in 0..__OC / __L {
                                 bias[k] = bias[k].add(__S::load(px.as_ptr().add(k * __L)));
                             }
                         }
                     }
-                    first
+                    (dzc.as_ptr(), first)
                 } else {
-                    0
+                    (dz.as_ptr(), 0)
                 };
-                let dzp = dz.as_ptr();
                 // Output-gradient tiles; outputs past the last row or column contribute zero.
                 for t in 0..count {
                     let (g, tw) = (r0 + t / __WTW, t % __WTW);
@@ -826,7 +859,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 // Images whose tiles are all done: their input gradient is complete.
                 while data && done < r0 / __WTH {
                     let slot = &dx[done % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE];
-                    __wino_unstage(slot, &mut d_input[done * __IMAGE..][..__IMAGE]);
+                    // SAFETY: the image is this part's.
+                    __wino_unstage(slot, d_input.part(done * __IMAGE, __IMAGE));
                     done += 1;
                 }
             }
@@ -842,15 +876,19 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     } else {
         0
     });
+    let wparts = lit(weight_parts(spec, plan));
     let items = quote! {
         /// Whether each chunk computes its own `dz` (see `DzSource`).
         const __FUSED: bool = #fused;
+        /// The backward pass's parts: whole images each, with a weight-gradient partial of
+        /// their own (see `weight_parts`).
+        const __WPARTS: usize = #wparts;
         /// `dz` of one chunk at most: its tile rows' output rows.
         const __DZ_CHUNK: usize = #dz_chunk;
 
         /// Where the fused kernel takes `dz` from: the output gradient, the pre-activations and
         /// outputs of the forward pass; `db` (`OC`, or empty for no bias gradient) gets the sum
-        /// of `dz` over the batch. Empty where the pass computes `dz` first.
+        /// of `dz` over the part's images. Empty where the pass computes `dz` first.
         struct __DzSource<'a> {
             d_output: &'a [__T],
             pre: &'a [__T],
@@ -875,12 +913,15 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             } else {
                 #rt::PackKey { stamps: [0, 0], layout: 0 }
             };
-            let x_len = if weights { __XS_LEN } else { 0 };
-            let du_len = if weights { __U_LEN } else { 0 };
-            let dx_len = if data { __SLOTS * __STAGED_IMAGE } else { 0 };
-            let dz_len = if __FUSED { __DZ_CHUNK } else { __BATCH * __NPIX * __OC };
-            let lens = dz_len + __ELEMS * __WCT * (__WIC + __OC) + x_len + du_len + dx_len;
-            let #rt::Workspace { packed, scratch } = cpu.__workspace::<__A>(
+            let work = __BATCH * __NPIX * __WINDOW * __OC;
+            let workers = cpu.__pool().workers(__WPARTS, work);
+            // Each worker's scratch: `dz` of a chunk, the transforms, the staged input and the
+            // staged input gradient.
+            const __DZC: usize = if __FUSED { __DZ_CHUNK } else { 0 };
+            const __WORKER: usize = __DZC + __ELEMS * __WCT * (__WIC + __OC) + __XS_LEN + __SLOTS * __STAGED_IMAGE;
+            let dz_len = if __FUSED { 0 } else { __BATCH * __NPIX * __OC };
+            let du_len = if weights { __WPARTS * __U_LEN } else { 0 };
+            let #rt::Workspace { packed, scratch, pool } = cpu.__workspace::<__A>(
                 key,
                 if data { __U_LEN } else { 0 },
                 |out| {
@@ -889,40 +930,84 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         unsafe { __pack_wino_data(layer.weights.as_slice(), out) }
                     }
                 },
-                lens,
+                dz_len + workers * __WORKER + du_len,
             );
             let (dz, rest) = scratch.split_at_mut(dz_len);
-            let (v, rest) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
-            let (n, rest) = rest.split_at_mut(__ELEMS * __WCT * __OC);
-            let (xs, rest) = rest.split_at_mut(x_len);
-            let (du, rest) = rest.split_at_mut(du_len);
-            let dx = &mut rest[..dx_len];
-            // Scratch is not cleared by the device: zero what is accumulated into (the staged
-            // input gradient is stored where no tile reached it before).
-            du.fill(0.0);
-            let mut db = [0.0 as __A; __OC];
-            let source = if __FUSED {
-                let _ = mode;
-                __DzSource {
-                    d_output,
-                    pre: state.pre_activation.as_slice(),
-                    output: state.output.as_slice(),
-                    db: if weights { &mut db } else { &mut [] },
-                }
-            } else {
-                __d_conv(layer, state, d_output, mode, grads.as_deref_mut(), dz);
-                __DzSource { d_output: &[], pre: &[], output: &[], db: &mut [] }
-            };
+            let (scratches, rest) = rest.split_at_mut(workers * __WORKER);
+            let dus = &mut rest[..du_len];
+            if !__FUSED {
+                __d_conv(pool, layer, state, d_output, mode, grads.as_deref_mut(), dz);
+            }
+            let _ = mode;
+            let dz: &[__A] = dz;
             let x: &[__T] = if weights { x } else { &[] };
-            let d_input: &mut [__T] = match d_input {
+            let d_input = #rt::Shared::new(match d_input {
                 ::core::option::Option::Some(d) => d,
                 ::core::option::Option::None => &mut [],
-            };
-            // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-            unsafe { __wino_backward_tiles(x, xs, source, dz, packed, v, n, du, dx, d_input) };
+            });
+            let (pre, output) = (state.pre_activation.as_slice(), state.output.as_slice());
+            let mut dbs = [[0.0 as __A; __OC]; __WPARTS];
+            {
+                let (scratches, dus, dbs) = (
+                    #rt::Shared::new(scratches),
+                    #rt::Shared::new(&mut *dus),
+                    #rt::Shared::new(&mut dbs[..]),
+                );
+                pool.run(__WPARTS, work, &|worker, parts| {
+                    // SAFETY: each worker has its own scratch, each part its own partials and
+                    // images; the slices have the lengths the kernel is built on (checked in
+                    // debug).
+                    unsafe {
+                        let scratch = scratches.part(worker * __WORKER, __WORKER);
+                        let (dzc, rest) = scratch.split_at_mut(__DZC);
+                        let (v, rest) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
+                        let (n, rest) = rest.split_at_mut(__ELEMS * __WCT * __OC);
+                        let (xs, dx) = rest.split_at_mut(__XS_LEN);
+                        let xs: &mut [__A] = if weights { xs } else { &mut [] };
+                        let dx: &mut [__A] = if data { dx } else { &mut [] };
+                        for p in parts {
+                            let du: &mut [__A] = if weights { dus.part(p * __U_LEN, __U_LEN) } else { &mut [] };
+                            // Scratch is not cleared by the device: zero what is accumulated
+                            // into (the staged input gradient is stored where no tile reached
+                            // it before).
+                            du.fill(0.0);
+                            let source = if __FUSED {
+                                __DzSource {
+                                    d_output,
+                                    pre,
+                                    output,
+                                    db: if weights { &mut dbs.part(p, 1)[0][..] } else { &mut [] },
+                                }
+                            } else {
+                                __DzSource { d_output: &[], pre: &[], output: &[], db: &mut [] }
+                            };
+                            let images = p * __BATCH / __WPARTS..(p + 1) * __BATCH / __WPARTS;
+                            __wino_backward_tiles(x, xs, source, dz, dzc, packed, v, n, du, dx, d_input, images);
+                        }
+                    }
+                });
+            }
+            // The weight-gradient partials, summed in part order into the first.
+            if weights && __WPARTS > 1 {
+                let (first, others) = dus.split_at_mut(__U_LEN);
+                let others: &[__A] = others;
+                let first = #rt::Shared::new(first);
+                pool.split(__U_LEN, __WPARTS * #rt::ELEMENT_WORK, &|range| {
+                    // SAFETY: the worker's own elements.
+                    let sum = unsafe { first.part(range.start, range.len()) };
+                    for p in 1..__WPARTS {
+                        let part = &others[(p - 1) * __U_LEN + range.start..][..range.len()];
+                        for (s, v) in sum.iter_mut().zip(part) {
+                            *s += *v;
+                        }
+                    }
+                });
+            }
+            let du: &[__A] = &dus[..if weights { __U_LEN } else { 0 }];
 
             if let ::core::option::Option::Some(g) = grads {
                 if __FUSED {
+                    let db = __sum_parts(&dbs);
                     let gb = &mut g.biases.as_mut_slice()[..__OC];
                     for c in 0..__OC {
                         gb[c] += db[c];
