@@ -1,5 +1,5 @@
 //! The `OneDnn` device: the layers' convolutions run as oneDNN primitives built once per layer
-//! type; everything oneDNN cannot do exactly runs the generated CPU code.
+//! type and thread count; everything oneDNN cannot do exactly runs the generated CPU code.
 //!
 //! What runs where, per spec feature:
 //!
@@ -13,10 +13,15 @@
 //! that falls back is counted ([`OneDnn::fallbacks`]).
 //!
 //! Primitives (inference per batch size, training forward, backward data, backward weights and
-//! the weight/gradient reorders) live in a `static` [`ConvSetup`] per layer type, built on first
-//! use under a lock and shared by all devices and threads. Weights are reordered into the layout
-//! each primitive chose once per parameter change: the device caches reordered copies by the
-//! weights' content stamp.
+//! the weight/gradient reorders) live in a `static` [`ConvSetup`] per layer type, built on a
+//! thread count's first use under a lock and shared by all devices and threads of that count.
+//! Weights are reordered into the layout each primitive chose once per parameter change: the
+//! device caches reordered copies by the weights' content stamp.
+//!
+//! Threads: a device has a count ([`OneDnn::with_threads`]). The generated code runs on its
+//! [`Cpu`] of that many threads; oneDNN's primitives run on that many OpenMP threads (libgomp's
+//! `omp_set_num_threads`, applied on the calling thread before each execution), and a layer
+//! type keeps one set of primitives per count, so devices of different counts coexist.
 
 use std::sync::{Arc, Mutex, OnceLock};
 
@@ -134,11 +139,34 @@ struct Training {
     diff_weights_reorder: Primitive,
 }
 
-/// Everything oneDNN needs for one layer type, built on first use.
+/// Objects built on their key's first use, under a lock (a failed build is not kept: the next
+/// use tries again and reports the same error).
+struct Cache<K, V>(Mutex<Vec<(K, Arc<V>)>>);
+
+impl<K: Copy + PartialEq, V> Cache<K, V> {
+    const fn new() -> Self {
+        Self(Mutex::new(Vec::new()))
+    }
+
+    fn get(&self, key: K, what: &str, build: impl FnOnce() -> Result<V>) -> Result<Arc<V>> {
+        let mut entries = self.0.lock().map_err(|_| poisoned(what))?;
+        if let Some((_, v)) = entries.iter().find(|(k, _)| *k == key) {
+            return Ok(v.clone());
+        }
+        let built = Arc::new(build()?);
+        entries.push((key, built.clone()));
+        Ok(built)
+    }
+}
+
+/// Everything oneDNN needs for one layer type, built on first use, once per thread count:
+/// oneDNN fixes a primitive's work split when building it.
 pub struct ConvSetup {
     geometry: ConvGeometry,
-    training: OnceLock<std::result::Result<Training, Error>>,
-    inference: Mutex<Vec<(usize, Arc<Forward>)>>,
+    /// By thread count.
+    training: Cache<usize, Training>,
+    /// By (thread count, batch).
+    inference: Cache<(usize, usize), Forward>,
 }
 
 impl ConvSetup {
@@ -146,8 +174,8 @@ impl ConvSetup {
     pub const fn new(geometry: ConvGeometry) -> Self {
         Self {
             geometry,
-            training: OnceLock::new(),
-            inference: Mutex::new(Vec::new()),
+            training: Cache::new(),
+            inference: Cache::new(),
         }
     }
 
@@ -194,71 +222,71 @@ impl ConvSetup {
         ))
     }
 
-    fn training(&self, engine: &Engine) -> Result<&Training> {
-        let built = self.training.get_or_init(|| {
-            let g = &self.geometry;
-            let lib = engine.library();
-            let d = g.descs(lib, g.batch)?;
-            let (forward, hint_pd) = self.forward(engine, &d, Prop::ForwardTraining, false)?;
-            let (strides, pl, pr) = g.strides_padding();
-            let data_pd = super::conv_backward_data(
-                engine,
-                &d.src,
-                &d.any_weights,
-                &d.dst,
-                strides,
-                pl,
-                pr,
-                &hint_pd,
-                &Attr::new(lib)?,
-            )?;
-            let backward_data_weights = data_pd.query_md(super::Query::Weights)?;
-            let weights_pd = super::conv_backward_weights(
-                engine,
-                &d.src,
-                &d.any_weights,
-                Some(&d.bias),
-                &d.dst,
-                strides,
-                pl,
-                pr,
-                &hint_pd,
-                &Attr::new(lib)?,
-            )?;
-            let diff_weights = weights_pd.query_md(super::Query::DiffWeights)?;
-            Ok(Training {
-                forward,
-                backward_data: Primitive::new(&data_pd)?,
-                backward_data_reorder: Primitive::new(&super::reorder(
-                    engine,
-                    &d.user_weights,
-                    &backward_data_weights,
-                )?)?,
-                backward_data_weights,
-                backward_weights: Primitive::new(&weights_pd)?,
-                diff_weights_reorder: Primitive::new(&super::reorder(
-                    engine,
-                    &diff_weights,
-                    &d.user_weights,
-                )?)?,
-                diff_weights,
+    /// The training primitives for `engine`'s thread count.
+    fn training(&self, engine: &Engine) -> Result<Arc<Training>> {
+        self.training
+            .get(engine.threads(), "training primitives", || {
+                self.build_training(engine)
             })
-        });
-        built.as_ref().map_err(Clone::clone)
     }
 
+    fn build_training(&self, engine: &Engine) -> Result<Training> {
+        let g = &self.geometry;
+        let lib = engine.library();
+        let d = g.descs(lib, g.batch)?;
+        let (forward, hint_pd) = self.forward(engine, &d, Prop::ForwardTraining, false)?;
+        let (strides, pl, pr) = g.strides_padding();
+        let data_pd = super::conv_backward_data(
+            engine,
+            &d.src,
+            &d.any_weights,
+            &d.dst,
+            strides,
+            pl,
+            pr,
+            &hint_pd,
+            &Attr::new(lib)?,
+        )?;
+        let backward_data_weights = data_pd.query_md(super::Query::Weights)?;
+        let weights_pd = super::conv_backward_weights(
+            engine,
+            &d.src,
+            &d.any_weights,
+            Some(&d.bias),
+            &d.dst,
+            strides,
+            pl,
+            pr,
+            &hint_pd,
+            &Attr::new(lib)?,
+        )?;
+        let diff_weights = weights_pd.query_md(super::Query::DiffWeights)?;
+        Ok(Training {
+            forward,
+            backward_data: Primitive::new(&data_pd)?,
+            backward_data_reorder: Primitive::new(&super::reorder(
+                engine,
+                &d.user_weights,
+                &backward_data_weights,
+            )?)?,
+            backward_data_weights,
+            backward_weights: Primitive::new(&weights_pd)?,
+            diff_weights_reorder: Primitive::new(&super::reorder(
+                engine,
+                &diff_weights,
+                &d.user_weights,
+            )?)?,
+            diff_weights,
+        })
+    }
+
+    /// The inference primitive of `batch` images for `engine`'s thread count.
     fn inference(&self, engine: &Engine, batch: usize) -> Result<Arc<Forward>> {
-        let mut cache = self
-            .inference
-            .lock()
-            .map_err(|_| poisoned("inference primitive cache"))?;
-        if let Some((_, f)) = cache.iter().find(|(b, _)| *b == batch) {
-            return Ok(f.clone());
-        }
-        let d = self.geometry.descs(engine.library(), batch)?;
-        let forward = Arc::new(self.forward(engine, &d, Prop::ForwardInference, true)?.0);
-        cache.push((batch, forward.clone()));
-        Ok(forward)
+        let key = (engine.threads(), batch);
+        self.inference.get(key, "inference primitives", || {
+            let d = self.geometry.descs(engine.library(), batch)?;
+            Ok(self.forward(engine, &d, Prop::ForwardInference, true)?.0)
+        })
     }
 }
 
@@ -282,7 +310,8 @@ struct Reordered {
 /// Reordered weight copies kept per device.
 const REORDERED_CAPACITY: usize = 32;
 
-/// The process-wide CPU engine: primitives built for one device serve every device.
+/// The process-wide CPU engine; each device uses it through a handle with its thread count, and
+/// primitives built for one device serve every device of the same count.
 fn engine() -> Result<Engine> {
     static ENGINE: OnceLock<Engine> = OnceLock::new();
     if let Some(e) = ENGINE.get() {
@@ -294,6 +323,31 @@ fn engine() -> Result<Engine> {
 
 /// A device that runs layers' convolutions with oneDNN (see the module docs for what runs
 /// where). Single stream; not `Sync`: use one device per thread.
+///
+/// # Threads
+///
+/// [`OneDnn::new`] computes on the calling thread alone; [`OneDnn::with_threads`]`(n)` on `n`
+/// threads, with two mechanisms under one count:
+///
+/// - oneDNN's primitives run on `n` OpenMP threads. The oneDNN this backend is built for
+///   (`onednn-cpu-gomp`) runs on GNU OpenMP (libgomp); the device sets the count with libgomp's
+///   `omp_set_num_threads` on the calling thread before each primitive is built and before each execution (it only affects
+///   the calling thread, so other threads' devices and OpenMP users keep their own count), and
+///   each layer type keeps one set of primitives per count, so devices of different counts
+///   coexist in one process, and on one thread. The process-wide [`crate::onednn::set_threads`]
+///   does not apply to devices.
+/// - The generated code (normalization, activations outside the fused ones, and every
+///   operation of f64, f16 and bf16 layers) runs on the device's [`Cpu`], made with
+///   [`Cpu::with_threads`]`(n)`: its own pool of `n - 1` threads besides the caller.
+///
+/// The two sets of threads take turns (each call finishes before the next starts), so a device
+/// of `n` threads keeps about `n` cores busy. Threads pay only where those cores are otherwise
+/// idle: every oneDNN call ends with its OpenMP threads joining, and where other processes keep
+/// the cores busy a call waits a scheduler time slice (milliseconds) for a thread that is not
+/// running; on the 2-core development machine under a load of 7, a device of 2 threads was
+/// many times slower than one of 1. Unlike the generated code, oneDNN does not promise
+/// bit-identical results across thread counts: counts may differ by rounding (weight gradients
+/// summed in another order).
 pub struct OneDnn {
     engine: Engine,
     stream: Stream,
@@ -306,29 +360,66 @@ pub struct OneDnn {
 impl std::fmt::Debug for OneDnn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OneDnn")
+            .field("threads", &self.threads())
             .field("fallbacks", &self.fallbacks)
             .finish()
     }
 }
 
 impl OneDnn {
-    /// Loads oneDNN (`$ONEDNN_LIB_DIR/libdnnl.so.3`) and opens a stream on the CPU engine.
+    /// Loads oneDNN (`$ONEDNN_LIB_DIR/libdnnl.so.3`) and opens a stream on the CPU engine: a
+    /// device computing on the calling thread alone (as `Cpu::default()`).
     pub fn new() -> Result<Self> {
-        let engine = engine()?;
+        Self::with_threads(1)
+    }
+
+    /// As [`OneDnn::new`], computing on `threads` threads: oneDNN's on that many OpenMP
+    /// threads, the generated code on a [`Cpu::with_threads`]`(threads)` (see the type's docs).
+    /// Zero threads, a count OpenMP cannot take, or threads the system cannot start are an
+    /// error.
+    pub fn with_threads(threads: usize) -> Result<Self> {
+        if threads == 0 {
+            return Err(Error::new(
+                "OneDnn::with_threads",
+                "a device needs at least one thread",
+            ));
+        }
+        let engine = engine()?
+            .with_threads(threads)
+            .map_err(|e| Error::new("OneDnn::with_threads", e.to_string()))?;
         let stream = Stream::new(&engine)?;
         Ok(Self {
             engine,
             stream,
-            cpu: Cpu::default(),
+            cpu: Cpu::with_threads(threads)?,
             reordered: Vec::new(),
             clock: 0,
             fallbacks: 0,
         })
     }
 
-    /// Sets oneDNN's thread count for primitives built from now on, process-wide (default 1,
-    /// for comparisons with the single-threaded generated code). Primitives are built on a
-    /// layer type's first use, so call this before.
+    /// A device with a thread per core the system reports ([`Cpu::all_cores`]'s count).
+    pub fn all_cores() -> Result<Self> {
+        let cores = std::thread::available_parallelism().map_err(|e| {
+            Error::new(
+                "OneDnn::all_cores",
+                format!("the core count is unknown: {e}"),
+            )
+        })?;
+        Self::with_threads(cores.get())
+    }
+
+    /// The threads this device computes on, the caller's included.
+    pub fn threads(&self) -> usize {
+        self.engine.threads()
+    }
+
+    /// Sets the process-wide thread count of oneDNN descriptors built on engines without a
+    /// count of their own. Devices have their own count and ignore it.
+    #[deprecated(
+        note = "a device has its own thread count: use `OneDnn::with_threads`; \
+                `conv_runtime::onednn::set_threads` sets the low-level API's default"
+    )]
     pub fn set_threads(n: usize) {
         super::set_threads(n);
     }
@@ -420,12 +511,13 @@ impl OneDnn {
     ) -> Result<()> {
         let engine = self.engine.clone();
         let g = setup.geometry;
-        let inference_forward;
+        let (inference_forward, training);
         let (forward, kind) = if inference {
             inference_forward = setup.inference(&engine, batch)?;
             (&*inference_forward, batch * 2 + 1)
         } else {
-            (&setup.training(&engine)?.forward, 0)
+            training = setup.training(&engine)?;
+            (&training.forward, 0)
         };
         let w = self.reordered(
             setup,
@@ -524,5 +616,197 @@ impl OneDnn {
             *a += g;
         }
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::Eltwise;
+    use super::*;
+
+    /// A strided, padded layer large enough for oneDNN to split among two threads.
+    static SETUP: ConvSetup = ConvSetup::new(ConvGeometry {
+        batch: 4,
+        in_h: 12,
+        in_w: 12,
+        in_c: 8,
+        out_h: 6,
+        out_w: 6,
+        out_c: 16,
+        kernel: [3, 3],
+        stride: [2, 2],
+        padding: [1, 1],
+        fused: Some(Eltwise::Relu),
+    });
+
+    const IN: usize = 4 * 12 * 12 * 8;
+    const OUT: usize = 4 * 6 * 6 * 16;
+    const WEIGHTS: usize = 16 * 3 * 3 * 8;
+
+    /// Deterministic values in [-1, 1).
+    fn values(seed: u64, n: usize) -> Vec<f32> {
+        let mut state = seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1;
+        (0..n)
+            .map(|_| {
+                state ^= state >> 12;
+                state ^= state << 25;
+                state ^= state >> 27;
+                let bits = state.wrapping_mul(0x2545_F491_4F6C_DD1D) >> 40;
+                bits as f32 / (1u64 << 23) as f32 - 1.0
+            })
+            .collect()
+    }
+
+    fn device(threads: usize) -> OneDnn {
+        OneDnn::with_threads(threads).expect("oneDNN (set ONEDNN_LIB_DIR; see the README)")
+    }
+
+    /// The calling thread's OpenMP count, as oneDNN would read it now.
+    fn omp_threads(device: &OneDnn) -> usize {
+        device.engine.library().omp_max_threads()
+    }
+
+    /// Every convolution entry point on `device`, checking after each execution that the
+    /// calling thread runs OpenMP at the device's count: inference at batch 4 (fused ReLU) and
+    /// 1, training forward, backward data, backward weights.
+    fn every_operation(device: &mut OneDnn) -> Vec<Vec<f32>> {
+        let (x, w, b, dz) = (
+            values(1, IN),
+            values(2, WEIGHTS),
+            values(3, 16),
+            values(4, OUT),
+        );
+        let threads = device.threads();
+        let mut outputs = Vec::new();
+        for (batch, inference) in [(4, true), (1, true), (4, false)] {
+            let mut y = vec![f32::NAN; OUT / 4 * batch];
+            device
+                .__conv_forward(
+                    &SETUP,
+                    batch,
+                    inference,
+                    &w,
+                    7,
+                    &b,
+                    &x[..IN / 4 * batch],
+                    &mut y,
+                )
+                .expect("forward");
+            assert_eq!(omp_threads(device), threads, "forward ran at another count");
+            outputs.push(y);
+        }
+        let mut dx = vec![f32::NAN; IN];
+        device
+            .__conv_backward_data(&SETUP, &w, 7, &dz, &mut dx)
+            .expect("backward data");
+        assert_eq!(
+            omp_threads(device),
+            threads,
+            "backward data ran at another count"
+        );
+        outputs.push(dx);
+        let (mut dw, mut db) = (vec![0.0; WEIGHTS], vec![0.0; 16]);
+        device
+            .__conv_backward_weights(&SETUP, &x, &dz, &mut dw, &mut db)
+            .expect("backward weights");
+        assert_eq!(
+            omp_threads(device),
+            threads,
+            "backward weights ran at another count"
+        );
+        outputs.extend([dw, db]);
+        outputs
+    }
+
+    /// Equal within f32 rounding of sums of about a thousand terms, relative to the largest.
+    fn assert_close(what: &str, a: &[Vec<f32>], b: &[Vec<f32>]) {
+        assert_eq!(a.len(), b.len());
+        for (i, (a, b)) in a.iter().zip(b).enumerate() {
+            let scale = a.iter().fold(1.0f32, |m, v| m.max(v.abs()));
+            for (j, (x, y)) in a.iter().zip(b).enumerate() {
+                assert!(
+                    (x - y).abs() <= 1e-5 * scale,
+                    "{what}: output {i}, element {j}: {x} vs {y}"
+                );
+            }
+        }
+    }
+
+    #[test]
+    fn zero_threads_is_an_error_naming_the_call() {
+        let error = OneDnn::with_threads(0).expect_err("0 threads").to_string();
+        assert!(error.contains("OneDnn::with_threads"), "{error}");
+    }
+
+    #[test]
+    fn two_threads_compute_what_one_does() {
+        let (mut one, mut two) = (device(1), device(2));
+        assert_eq!((one.threads(), two.threads()), (1, 2));
+        assert_eq!(
+            (one.__cpu(false).threads(), two.__cpu(false).threads()),
+            (1, 2)
+        );
+        let reference = every_operation(&mut one);
+        assert_close("2 threads vs 1", &reference, &every_operation(&mut two));
+        assert_eq!(one.fallbacks() + two.fallbacks(), 0);
+    }
+
+    /// Devices of different counts, interleaved on one thread and side by side on two: each
+    /// runs primitives built for its own count, at its own count, and computes the same.
+    #[test]
+    fn devices_of_different_counts_coexist() {
+        let (mut one, mut two, mut three) = (device(1), device(2), device(3));
+        let reference = every_operation(&mut one);
+        for _ in 0..2 {
+            assert_close(
+                "2 threads, interleaved",
+                &reference,
+                &every_operation(&mut two),
+            );
+            assert_close(
+                "1 thread, interleaved",
+                &reference,
+                &every_operation(&mut one),
+            );
+            assert_close(
+                "3 threads, interleaved",
+                &reference,
+                &every_operation(&mut three),
+            );
+        }
+        std::thread::scope(|scope| {
+            let other = scope.spawn(|| {
+                let mut two = device(2);
+                (0..3)
+                    .map(|_| every_operation(&mut two))
+                    .collect::<Vec<_>>()
+            });
+            for _ in 0..3 {
+                assert_close(
+                    "1 thread, concurrent",
+                    &reference,
+                    &every_operation(&mut one),
+                );
+            }
+            for outputs in other.join().expect("the 2-thread device's thread") {
+                assert_close("2 threads, concurrent", &reference, &outputs);
+            }
+        });
+
+        // One set of primitives per count, each built for its count.
+        let training = SETUP.training.0.lock().expect("training cache");
+        let mut counts: Vec<usize> = training.iter().map(|(n, _)| *n).collect();
+        counts.sort_unstable();
+        assert_eq!(counts, [1, 2, 3]);
+        for (n, t) in training.iter() {
+            for primitive in [&t.forward.primitive, &t.backward_data, &t.backward_weights] {
+                assert_eq!(primitive.desc().threads(), *n);
+            }
+        }
+        let inference = SETUP.inference.0.lock().expect("inference cache");
+        for ((n, _), f) in inference.iter() {
+            assert_eq!(f.primitive.desc().threads(), *n);
+        }
+        assert_eq!(inference.len(), 3 * 2, "one primitive per count and batch");
     }
 }

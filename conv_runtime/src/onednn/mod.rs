@@ -27,13 +27,18 @@
 //!
 //! # Threads
 //!
-//! oneDNN's CPU kernels run on OpenMP. [`set_threads`] sets the process-wide count (default 1,
-//! so comparisons with the single-threaded CPU code are fair). oneDNN sizes a primitive's work
-//! split and scratchpad for the thread count in effect when its descriptor is created, so each
-//! [`PrimitiveDesc`] records the count current at its creation and the layer applies that count
-//! (`omp_set_num_threads`, which only affects the calling thread) on the calling thread before
-//! creating the descriptor, creating its primitive, and each execution. A change of
-//! [`set_threads`] thus affects descriptors built afterwards, never a primitive in use.
+//! oneDNN's CPU kernels run on OpenMP (this build of oneDNN uses the GNU runtime, libgomp).
+//! oneDNN sizes a primitive's work split and scratchpad for the thread count in effect when its
+//! descriptor is created, so each [`PrimitiveDesc`] records the count of the [`Engine`] handle
+//! it was built on, and that count is applied on the calling thread with libgomp's
+//! `omp_set_num_threads` (which sets only the calling thread's `nthreads-var`) before creating
+//! the descriptor, creating its primitive, and each execution. Descriptors of different counts
+//! thus coexist in one process and on one thread: each execution runs at its own count.
+//!
+//! An engine handle has its own count when made with [`Engine::with_threads`] (what the
+//! [`OneDnn`] device does: one count per device); otherwise descriptors built on it take the
+//! process-wide default of [`set_threads`] (1 unless set) at their creation, and a later
+//! [`set_threads`] affects only descriptors built afterwards, never a primitive in use.
 //!
 //! Thread safety follows oneDNN's documentation: engines, memory descriptors, attributes and
 //! primitive descriptors are immutable once built (`Send + Sync`); primitives may be executed
@@ -166,7 +171,8 @@ macro_rules! owned_handle {
 // ---------------------------------------------------------------------------------------------
 // Threads
 
-/// The OpenMP thread count that primitive descriptors built from now on record.
+/// The OpenMP thread count that descriptors built from now on record, on engines without a
+/// count of their own.
 static THREADS: AtomicUsize = AtomicUsize::new(1);
 
 thread_local! {
@@ -175,12 +181,17 @@ thread_local! {
     static APPLIED: std::cell::Cell<usize> = const { std::cell::Cell::new(0) };
 }
 
-/// Sets how many OpenMP threads oneDNN's kernels use, process-wide (default 1; 0 counts as 1).
+/// The most threads a count may name: OpenMP takes an `int`.
+const MAX_THREADS: usize = c_int::MAX as usize;
+
+/// Sets the process-wide default of OpenMP threads for descriptors built on engines without a
+/// count of their own (default 1; 0 counts as 1).
 ///
 /// It applies to primitive descriptors built afterwards (and their primitives, wherever they
-/// execute); existing ones keep the count they were built with.
+/// execute); existing ones keep the count they were built with. The [`OneDnn`] device does not
+/// read it: its engine has the device's own count ([`OneDnn::with_threads`]).
 pub fn set_threads(n: usize) {
-    THREADS.store(n.clamp(1, c_int::MAX as usize), Ordering::Relaxed);
+    THREADS.store(n.clamp(1, MAX_THREADS), Ordering::Relaxed);
 }
 
 /// The thread count set by [`set_threads`].
@@ -372,33 +383,69 @@ owned_handle! {
 }
 
 /// A CPU engine. Cheap to clone (shared); memories, descriptors and streams keep it alive.
+///
+/// The handle also carries the OpenMP thread count that descriptors built on it record (see
+/// the module docs on threads): its own after [`Engine::with_threads`], else the process-wide
+/// [`threads`] at each descriptor's creation. Handles made from one another with different
+/// counts are the same oneDNN engine, so their memories, streams and primitives mix freely.
 #[derive(Clone)]
-pub struct Engine(Arc<EngineInner>);
+pub struct Engine {
+    inner: Arc<EngineInner>,
+    /// None: the process-wide count.
+    threads: Option<usize>,
+}
 
 impl fmt::Debug for Engine {
     fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("Engine").field("kind", &"cpu").finish()
+        f.debug_struct("Engine")
+            .field("kind", &"cpu")
+            .field("threads", &self.threads())
+            .finish()
     }
 }
 
 impl Engine {
-    /// The CPU engine (index 0).
+    /// The CPU engine (index 0); its descriptors take the process-wide thread count.
     pub fn cpu(lib: &Library) -> Result<Self> {
         // SAFETY: no preconditions beyond the out-pointer `create!` passes.
         let raw = unsafe { create!(lib.api(), dnnl_engine_create(ffi::dnnl_cpu, 0)) }?;
-        Ok(Self(Arc::new(EngineInner {
-            lib: lib.clone(),
-            raw,
-        })))
+        Ok(Self {
+            inner: Arc::new(EngineInner {
+                lib: lib.clone(),
+                raw,
+            }),
+            threads: None,
+        })
+    }
+
+    /// The same engine, with descriptors built through the result running on `threads` OpenMP
+    /// threads whatever [`set_threads`] says. Zero threads, or more than OpenMP can count, are
+    /// an error.
+    pub fn with_threads(&self, threads: usize) -> Result<Self> {
+        if threads == 0 || threads > MAX_THREADS {
+            return Err(Error::new(
+                "oneDNN Engine::with_threads",
+                format!("{threads} threads; a count is in 1..={MAX_THREADS}"),
+            ));
+        }
+        Ok(Self {
+            inner: self.inner.clone(),
+            threads: Some(threads),
+        })
+    }
+
+    /// The OpenMP thread count a descriptor built on this handle now would record.
+    pub fn threads(&self) -> usize {
+        self.threads.unwrap_or_else(threads)
     }
 
     /// The library this engine came from.
     pub fn library(&self) -> &Library {
-        &self.0.lib
+        &self.inner.lib
     }
 
     fn raw(&self) -> ffi::dnnl_engine_t {
-        self.0.raw
+        self.inner.raw
     }
 }
 
@@ -1287,8 +1334,8 @@ impl fmt::Debug for PrimitiveDesc {
 }
 
 impl PrimitiveDesc {
-    /// Runs a `*_primitive_desc_create` call (`f`, through `create!`) with the thread count
-    /// applied, since oneDNN picks its work split here, and wraps the result.
+    /// Runs a `*_primitive_desc_create` call (`f`, through `create!`) with the engine's thread
+    /// count applied, since oneDNN picks its work split here, and wraps the result.
     fn create(
         engine: &Engine,
         name: &'static str,
@@ -1296,7 +1343,7 @@ impl PrimitiveDesc {
         f: impl FnOnce(&ffi::Api) -> Result<ffi::dnnl_primitive_desc_t>,
     ) -> Result<Self> {
         let lib = engine.library();
-        let threads = threads();
+        let threads = engine.threads();
         lib.apply_threads(threads);
         let raw = f(lib.api())?;
         Ok(Self(Arc::new(PdInner {
@@ -1322,7 +1369,8 @@ impl PrimitiveDesc {
         self.0.name
     }
 
-    /// The OpenMP thread count it was built with (see [`set_threads`]).
+    /// The OpenMP thread count it was built with, applied before each execution (see the
+    /// module docs on threads).
     pub fn threads(&self) -> usize {
         self.0.threads
     }
