@@ -1,15 +1,22 @@
 //! Throughput of the generated CPU code on a suite of real layer shapes, against this machine's
-//! single-core FMA peak measured in the same process, and against oneDNN in the same process.
+//! FMA peak measured in the same process, and against oneDNN in the same process.
 //!
 //! ```text
-//! cargo run --release --example bench [FILTER] [--quick]
-//! ONEDNN_LIB_DIR=... cargo run --release --features onednn --example bench
+//! cargo run --release --example bench [FILTER] [--quick] [--no-onednn] [--threads 1,2]
+//! ONEDNN_LIB_DIR=... cargo run --release --features onednn --example bench -- --threads 1,2
 //! ```
 //!
-//! FILTER keeps only shapes whose name contains it; `--quick` trades precision for time. Every
-//! result is printed as a table row and, at the end, as one `BENCH_JSON {...}` line for scripts;
-//! then the ratios: ours vs oneDNN (each shape's rows run back to back, single thread both), and
-//! half precision vs f32, each also as `BENCH_RATIO {...}` lines.
+//! FILTER keeps only shapes whose name contains it; `--quick` trades precision for time;
+//! `--threads` lists the thread counts (default 1): every `cpu` row runs on
+//! `Cpu::with_threads(n)` and every `onednn` row on `OneDnn::with_threads(n)` for each count `n`.
+//! Every result is printed as a table row and, at the end, as one `BENCH_JSON {...}` line for
+//! scripts (with its `"threads"`); then the ratios: ours vs oneDNN (each shape's rows run back
+//! to back, both at the same thread count), and half precision vs f32, each also as
+//! `BENCH_RATIO {...}` lines; with several counts, each row's speedup over the first count, per
+//! backend, also as `BENCH_SCALING {...}` lines.
+//!
+//! The peak is one core's, measured on one thread; a row of `n` threads is compared with `n`
+//! times it (at most the cores the system reports).
 
 use conv_runtime::prelude::*;
 use std::hint::black_box;
@@ -103,7 +110,7 @@ half_layers! {
 /// name (and its own layer types for another dtype); `Bench` and the output need no change.
 macro_rules! bench_layers {
     (
-        $bench:expr, device: $device:expr => $backend:literal, dtype: $t:ty,
+        $bench:expr, device: $device:expr => $backend:literal, threads: $threads:expr, dtype: $t:ty,
         layers: { $($name:literal: $layer:ident / $grads:ident / $state:ident,
                     eval_batches [$($b:literal),*];)* }
     ) => {$({
@@ -121,6 +128,7 @@ macro_rules! bench_layers {
                     as f64
             };
             let dtype = stringify!($t);
+            let threads: usize = $threads;
             let mut device = $device;
             let mut layer = $layer::new(&mut Rng::seed_from_u64(42));
 
@@ -128,7 +136,7 @@ macro_rules! bench_layers {
                 let mut x = Tensor::<$t, $b, IH, IW, IC>::zeros();
                 fill_random(x.as_mut_slice(), 1);
                 let mut y = Tensor::<$t, $b, OH, OW, OC>::zeros();
-                let row = Row::new($name, "evaluate", $b, dtype, $backend, forward_flops($b));
+                let row = Row::new($name, "evaluate", $b, dtype, $backend, threads, forward_flops($b));
                 bench.run(row, || {
                     layer
                         .evaluate(&mut device, black_box(&x), black_box(&mut y))
@@ -167,12 +175,12 @@ macro_rules! bench_layers {
             // The two halves of a step apart, so that a slow one stands out; backward data and
             // backward weights are two convolutions' worth of FLOPs.
             let flops = forward_flops(TRAIN_BATCH);
-            let row = Row::new($name, "forward_train", TRAIN_BATCH, dtype, $backend, flops);
+            let row = Row::new($name, "forward_train", TRAIN_BATCH, dtype, $backend, threads, flops);
             bench.run(row, || forward(&mut layer, &mut device, &mut state));
-            let row = Row::new($name, "backward_full", TRAIN_BATCH, dtype, $backend, 2.0 * flops);
+            let row = Row::new($name, "backward_full", TRAIN_BATCH, dtype, $backend, threads, 2.0 * flops);
             bench.run(row, || backward(&mut layer, &mut device, &state));
 
-            let row = Row::new($name, "train_step", TRAIN_BATCH, dtype, $backend, 3.0 * flops);
+            let row = Row::new($name, "train_step", TRAIN_BATCH, dtype, $backend, threads, 3.0 * flops);
             bench.run(row, || {
                 // An optimizer changes the parameters every step; giving them new stamps makes
                 // the device repack them, as it would after a real update.
@@ -199,9 +207,15 @@ fn main() {
         None => println!("single-core f32 FMA peak: unknown on this architecture"),
     }
     println!(
-        "timing: median of {} repetitions of ~{:.2} s each, single thread\n",
+        "timing: median of {} repetitions of ~{:.2} s each; threads: {}\n",
         config.repetitions,
-        config.target.as_secs_f64()
+        config.target.as_secs_f64(),
+        config
+            .threads
+            .iter()
+            .map(ToString::to_string)
+            .collect::<Vec<_>>()
+            .join(", ")
     );
 
     let mut bench = Bench::new(config, peak);
@@ -229,24 +243,28 @@ fn main() {
             ("cpu", half),
         );
     }
+    print_scaling(&bench.rows, &bench.config.threads);
     println!("\ntotal {:.1} s", started.elapsed().as_secs_f64());
 }
 
 fn run_suite(bench: &mut Bench) {
+    let counts = bench.config.threads.clone();
     // Each f32 shape on the CPU device, then at once on oneDNN (where built and loadable), so
-    // both see the same machine state.
+    // both see the same machine state; each thread count in turn.
     macro_rules! shape {
         ($name:literal: $layer:ident / $grads:ident / $state:ident, eval_batches [$($b:literal),*]) => {
-            bench_layers!(bench, device: Cpu::default() => "cpu", dtype: f32, layers: {
-                $name: $layer / $grads / $state, eval_batches [$($b),*];
-            });
-            #[cfg(feature = "onednn")]
-            if bench.onednn {
-                match OneDnn::new() {
-                    Ok(device) => bench_layers!(bench, device: device => "onednn", dtype: f32, layers: {
-                        $name: $layer / $grads / $state, eval_batches [$($b),*];
-                    }),
-                    Err(e) => println!("oneDNN: {e}"),
+            for &threads in &counts {
+                bench_layers!(bench, device: cpu(threads) => "cpu", threads: threads, dtype: f32, layers: {
+                    $name: $layer / $grads / $state, eval_batches [$($b),*];
+                });
+                #[cfg(feature = "onednn")]
+                if bench.onednn {
+                    match OneDnn::with_threads(threads) {
+                        Ok(device) => bench_layers!(bench, device: device => "onednn", threads: threads, dtype: f32, layers: {
+                            $name: $layer / $grads / $state, eval_batches [$($b),*];
+                        }),
+                        Err(e) => println!("oneDNN, {threads} threads: {e}"),
+                    }
                 }
             }
         };
@@ -263,20 +281,31 @@ fn run_suite(bench: &mut Bench) {
     shape!("nature2_bn": Nature2Bn / Nature2BnGrads / Nature2BnState, eval_batches [32]);
     shape!("bn16_bn": Bn16Bn / Bn16BnGrads / Bn16BnState, eval_batches [32]);
 
-    bench_layers!(bench, device: Cpu::default() => "cpu", dtype: f16, layers: {
-        "nature2": Nature2F16 / Nature2F16Grads / Nature2F16State, eval_batches [1, 32];
-        "nature3": Nature3F16 / Nature3F16Grads / Nature3F16State, eval_batches [1, 32];
-        "resnet": ResnetF16 / ResnetF16Grads / ResnetF16State, eval_batches [1, 8];
-    });
-    bench_layers!(bench, device: Cpu::default() => "cpu", dtype: bf16, layers: {
-        "nature2": Nature2Bf16 / Nature2Bf16Grads / Nature2Bf16State, eval_batches [1, 32];
-        "nature3": Nature3Bf16 / Nature3Bf16Grads / Nature3Bf16State, eval_batches [1, 32];
-        "resnet": ResnetBf16 / ResnetBf16Grads / ResnetBf16State, eval_batches [1, 8];
-    });
+    for &threads in &counts {
+        bench_layers!(bench, device: cpu(threads) => "cpu", threads: threads, dtype: f16, layers: {
+            "nature2": Nature2F16 / Nature2F16Grads / Nature2F16State, eval_batches [1, 32];
+            "nature3": Nature3F16 / Nature3F16Grads / Nature3F16State, eval_batches [1, 32];
+            "resnet": ResnetF16 / ResnetF16Grads / ResnetF16State, eval_batches [1, 8];
+        });
+        bench_layers!(bench, device: cpu(threads) => "cpu", threads: threads, dtype: bf16, layers: {
+            "nature2": Nature2Bf16 / Nature2Bf16Grads / Nature2Bf16State, eval_batches [1, 32];
+            "nature3": Nature3Bf16 / Nature3Bf16Grads / Nature3Bf16State, eval_batches [1, 32];
+            "resnet": ResnetBf16 / ResnetBf16Grads / ResnetBf16State, eval_batches [1, 8];
+        });
+    }
 }
 
-/// Prints `numerator / denominator` time ratios of matching rows (same shape, op and batch) as
-/// a table and `BENCH_RATIO` lines: above 1 means the denominator's rows are faster.
+/// The CPU device of `threads` threads; the bench cannot go on without it.
+fn cpu(threads: usize) -> Cpu {
+    Cpu::with_threads(threads).unwrap_or_else(|e| {
+        eprintln!("error: the CPU device of {threads} threads: {e}");
+        std::process::exit(1)
+    })
+}
+
+/// Prints `numerator / denominator` time ratios of matching rows (same shape, op, batch and
+/// thread count) as a table and `BENCH_RATIO` lines: above 1 means the denominator's rows are
+/// faster.
 fn print_ratios(rows: &[Row], title: &str, numerator: (&str, &str), denominator: (&str, &str)) {
     fn pick<'a>(
         rows: &'a [Row],
@@ -288,7 +317,7 @@ fn print_ratios(rows: &[Row], title: &str, numerator: (&str, &str), denominator:
     let pairs: Vec<(&Row, &Row)> = pick(rows, denominator)
         .filter_map(|d| {
             pick(rows, numerator)
-                .find(|n| n.shape == d.shape && n.op == d.op && n.batch == d.batch)
+                .find(|n| n.same_call(d) && n.threads == d.threads)
                 .map(|n| (n, d))
         })
         .collect();
@@ -298,20 +327,22 @@ fn print_ratios(rows: &[Row], title: &str, numerator: (&str, &str), denominator:
     let label = |(b, t): (&str, &str)| format!("{b}/{t}");
     println!("\n{title}");
     println!(
-        "{:<11} {:<13} {:>5} {:>14} {:>14} {:>7}",
+        "{:<11} {:<13} {:>5} {:>3} {:>14} {:>14} {:>7}",
         "shape",
         "op",
         "batch",
+        "thr",
         label(numerator),
         label(denominator),
         "ratio"
     );
     for (n, d) in &pairs {
         println!(
-            "{:<11} {:<13} {:>5} {:>11.2} us {:>11.2} us {:>6.2}x",
+            "{:<11} {:<13} {:>5} {:>3} {:>11.2} us {:>11.2} us {:>6.2}x",
             d.shape,
             d.op,
             d.batch,
+            d.threads,
             n.seconds * 1e6,
             d.seconds * 1e6,
             n.seconds / d.seconds
@@ -320,15 +351,75 @@ fn print_ratios(rows: &[Row], title: &str, numerator: (&str, &str), denominator:
     for (n, d) in &pairs {
         println!(
             concat!(
-                r#"BENCH_RATIO {{"shape":"{}","op":"{}","batch":{},"numerator":"{}","#,
+                r#"BENCH_RATIO {{"shape":"{}","op":"{}","batch":{},"threads":{},"numerator":"{}","#,
                 r#""denominator":"{}","ratio":{:.4}}}"#
             ),
             d.shape,
             d.op,
             d.batch,
+            d.threads,
             label(numerator),
             label(denominator),
             n.seconds / d.seconds
+        );
+    }
+}
+
+/// With several thread counts: each row's speedup over the same row at the first count
+/// (`base`), the f32 backends side by side, as a table and `BENCH_SCALING` lines (speedup: time
+/// at `base` threads / time at `threads`; efficiency: the speedup over the ideal
+/// `threads / base`).
+fn print_scaling(rows: &[Row], counts: &[usize]) {
+    let Some((&base, others)) = counts.split_first() else {
+        return;
+    };
+    let speedup = |row: &Row| {
+        rows.iter()
+            .find(|b| b.threads == base && b.backend == row.backend && b.same_call(row))
+            .map(|b| b.seconds / row.seconds)
+    };
+    let scaled: Vec<(&Row, f64)> = rows
+        .iter()
+        .filter(|r| others.contains(&r.threads))
+        .filter_map(|r| speedup(r).map(|s| (r, s)))
+        .collect();
+    if scaled.is_empty() {
+        return;
+    }
+    println!(
+        "\nthread scaling (time at {base} thread{} / time at N: ours and oneDNN, per row)",
+        if base == 1 { "" } else { "s" }
+    );
+    println!(
+        "{:<11} {:<13} {:>5} {:<5} {:>3} {:>8} {:>8}",
+        "shape", "op", "batch", "dtype", "N", "cpu", "onednn"
+    );
+    // One line per call and count, from its `cpu` row (and the matching `onednn` one).
+    for (row, cpu) in scaled.iter().filter(|(r, _)| r.backend == "cpu") {
+        let onednn = scaled
+            .iter()
+            .find(|(o, _)| o.backend == "onednn" && o.threads == row.threads && o.same_call(row))
+            .map_or("-".to_string(), |(_, s)| format!("{s:.2}x"));
+        println!(
+            "{:<11} {:<13} {:>5} {:<5} {:>3} {:>7.2}x {:>8}",
+            row.shape, row.op, row.batch, row.dtype, row.threads, cpu, onednn
+        );
+    }
+    for (row, speedup) in &scaled {
+        println!(
+            concat!(
+                r#"BENCH_SCALING {{"shape":"{}","op":"{}","batch":{},"dtype":"{}","backend":"{}","#,
+                r#""threads":{},"base_threads":{},"speedup":{:.4},"efficiency":{:.4}}}"#
+            ),
+            row.shape,
+            row.op,
+            row.batch,
+            row.dtype,
+            row.backend,
+            row.threads,
+            base,
+            speedup,
+            speedup * base as f64 / row.threads as f64
         );
     }
 }
@@ -337,10 +428,14 @@ struct Config {
     filter: Option<String>,
     quick: bool,
     no_onednn: bool,
+    /// Thread counts, each device and row run at each (default: 1).
+    threads: Vec<usize>,
     /// Wall time of one timed repetition.
     target: Duration,
     repetitions: usize,
 }
+
+const USAGE: &str = "usage: bench [SHAPE_FILTER] [--quick] [--no-onednn] [--threads N[,N...]]";
 
 impl Config {
     fn from_args() -> Self {
@@ -348,10 +443,16 @@ impl Config {
             filter: None,
             quick: false,
             no_onednn: false,
+            threads: vec![1],
             target: Duration::from_millis(300),
             repetitions: 5,
         };
-        for arg in std::env::args().skip(1) {
+        let mut args = std::env::args().skip(1);
+        let usage = |problem: &str| -> ! {
+            eprintln!("{problem}{USAGE}");
+            std::process::exit(2)
+        };
+        while let Some(arg) = args.next() {
             match arg.as_str() {
                 "--no-onednn" => config.no_onednn = true,
                 "--quick" => {
@@ -359,15 +460,34 @@ impl Config {
                     config.target = Duration::from_millis(50);
                     config.repetitions = 3;
                 }
-                _ if arg.starts_with('-') => {
-                    eprintln!("usage: bench [SHAPE_FILTER] [--quick] [--no-onednn]");
-                    std::process::exit(2);
+                "--threads" => {
+                    let list = args
+                        .next()
+                        .unwrap_or_else(|| usage("--threads needs a list, e.g. 1,2\n"));
+                    config.threads = parse_counts(&list).unwrap_or_else(|| {
+                        usage(&format!(
+                            "--threads takes positive counts separated by commas, not `{list}`\n"
+                        ))
+                    });
                 }
+                _ if arg.starts_with('-') => usage(""),
                 _ => config.filter = Some(arg),
             }
         }
         config
     }
+}
+
+/// `1,2,4` as distinct positive counts in the given order; None for anything else.
+fn parse_counts(list: &str) -> Option<Vec<usize>> {
+    let mut counts: Vec<usize> = Vec::new();
+    for item in list.split(',') {
+        let n: usize = item.trim().parse().ok().filter(|&n| n > 0)?;
+        if !counts.contains(&n) {
+            counts.push(n);
+        }
+    }
+    Some(counts)
 }
 
 /// One measured (or about to be measured) result.
@@ -377,6 +497,8 @@ struct Row {
     batch: usize,
     dtype: &'static str,
     backend: &'static str,
+    /// The device's thread count.
+    threads: usize,
     /// Useful floating-point operations per call.
     flops: f64,
     /// Median and fastest seconds per call over the repetitions.
@@ -391,6 +513,7 @@ impl Row {
         batch: usize,
         dtype: &'static str,
         backend: &'static str,
+        threads: usize,
         flops: f64,
     ) -> Self {
         Row {
@@ -399,6 +522,7 @@ impl Row {
             batch,
             dtype,
             backend,
+            threads,
             flops,
             seconds: f64::NAN,
             fastest: f64::NAN,
@@ -407,6 +531,20 @@ impl Row {
 
     fn gflops(&self) -> f64 {
         self.flops / self.seconds / 1e9
+    }
+
+    /// Whether `other` times the same call (shape, operation, batch and dtype).
+    fn same_call(&self, other: &Row) -> bool {
+        self.shape == other.shape
+            && self.op == other.op
+            && self.batch == other.batch
+            && self.dtype == other.dtype
+    }
+
+    /// The FMA peak of the row's threads: one core's times the threads (at most the cores).
+    fn peak_gflops(&self, peak: Option<&peak::Peak>) -> f64 {
+        let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+        peak.map_or(f64::NAN, |p| p.gflops * self.threads.min(cores) as f64)
     }
 
     /// Hand-formatted: every string is a fixed ASCII identifier, so no escaping is needed, and
@@ -419,11 +557,12 @@ impl Row {
                 "null".into()
             }
         };
-        let fraction = peak.map_or(f64::NAN, |p| self.gflops() / p.gflops);
+        let peak_gflops = self.peak_gflops(peak);
         format!(
             concat!(
                 r#"{{"shape":"{}","op":"{}","batch":{},"dtype":"{}","us":{},"gflops":{},"#,
-                r#""peak_fraction":{},"backend":"{}","flops":{},"peak_gflops":{},"us_min":{}}}"#,
+                r#""peak_fraction":{},"backend":"{}","threads":{},"flops":{},"peak_gflops":{},"#,
+                r#""us_min":{}}}"#,
             ),
             self.shape,
             self.op,
@@ -431,10 +570,11 @@ impl Row {
             self.dtype,
             num(self.seconds * 1e6),
             num(self.gflops()),
-            num(fraction),
+            num(self.gflops() / peak_gflops),
             self.backend,
+            self.threads,
             self.flops,
-            num(peak.map_or(f64::NAN, |p| p.gflops)),
+            num(peak_gflops),
             num(self.fastest * 1e6),
         )
     }
@@ -467,12 +607,13 @@ impl Bench {
 
     fn print_header(&self) {
         println!(
-            "{:<11} {:<13} {:>5} {:<5} {:<7} {:>9} {:>11} {:>7} {:>9} {:>7}",
+            "{:<11} {:<13} {:>5} {:<5} {:<7} {:>3} {:>9} {:>11} {:>7} {:>9} {:>7}",
             "shape",
             "op",
             "batch",
             "dtype",
             "backend",
+            "thr",
             "MFLOP",
             "us/call",
             "spread",
@@ -490,17 +631,21 @@ impl Bench {
         // How far apart the repetitions were: a large spread means another process interfered
         // and the row deserves a rerun, not an interpretation.
         let spread = (samples[samples.len() - 1] - samples[0]) / row.seconds;
-        let fraction = match &self.peak {
-            Some(p) => format!("{:.1}%", 100.0 * row.gflops() / p.gflops),
+        let fraction = match self.peak {
+            Some(_) => format!(
+                "{:.1}%",
+                100.0 * row.gflops() / row.peak_gflops(self.peak.as_ref())
+            ),
             None => "n/a".into(),
         };
         println!(
-            "{:<11} {:<13} {:>5} {:<5} {:<7} {:>9.2} {:>11.2} {:>6.1}% {:>9.2} {:>7}",
+            "{:<11} {:<13} {:>5} {:<5} {:<7} {:>3} {:>9.2} {:>11.2} {:>6.1}% {:>9.2} {:>7}",
             row.shape,
             row.op,
             row.batch,
             row.dtype,
             row.backend,
+            row.threads,
             row.flops / 1e6,
             row.seconds * 1e6,
             100.0 * spread,
