@@ -12,6 +12,11 @@
 //! cross-entropy (`conv_runtime::head::Linear`). Adam on all three, minibatches of 32,
 //! learning rate 5e-3 decayed to 0 over the run on a cosine (20 epochs by default).
 //!
+//! Devices: `--backend cpu` (default) or `onednn`, on `--threads N` threads (default 1;
+//! `Cpu::with_threads`, `OneDnn::with_threads`). The cpu device computes the same bits on any
+//! number of threads, so a run's losses and accuracy do not depend on N; oneDNN's may differ by
+//! rounding.
+//!
 //! Data: pixels scaled to [0, 1]. A fixed split (a shuffle with its own seed, independent of
 //! `--seed`): 1,437 training and 360 test images. Each epoch reshuffles the training images and
 //! drops the last partial batch (1,437 = 44 * 32 + 29): every batch then has the layers' fixed
@@ -576,6 +581,8 @@ impl Backend {
 
 struct Args {
     backend: Backend,
+    /// Threads of the cpu and onednn devices.
+    threads: usize,
     epochs: usize,
     seed: u64,
     min_accuracy: f64,
@@ -587,6 +594,8 @@ struct Args {
 const USAGE: &str = "\
 usage: train_digits [options]
   --backend cpu|onednn|cuda   device for the conv layers (default cpu)
+  --threads N                 threads of the cpu and onednn devices (default 1); results do
+                              not depend on it on cpu
   --epochs N                  epochs (default 20)
   --quick                     3 epochs (what CI runs)
   --seed N                    initialization and shuffling seed (default 1); the split is fixed
@@ -599,6 +608,7 @@ usage: train_digits [options]
 fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
     let mut parsed = Args {
         backend: Backend::Cpu,
+        threads: 1,
         epochs: DEFAULT_EPOCHS,
         seed: DEFAULT_SEED,
         min_accuracy: f64::NAN,
@@ -613,6 +623,14 @@ fn parse_args(mut args: impl Iterator<Item = String>) -> Result<Args, String> {
                 let v = value("--backend")?;
                 parsed.backend = Backend::parse(&v)
                     .ok_or(format!("unknown backend `{v}` (cpu, onednn or cuda)"))?;
+            }
+            "--threads" => {
+                let v = value("--threads")?;
+                parsed.threads = v
+                    .parse()
+                    .ok()
+                    .filter(|&n| n > 0)
+                    .ok_or(format!("--threads takes a positive integer, not `{v}`"))?;
             }
             "--epochs" => {
                 let v = value("--epochs")?;
@@ -671,14 +689,18 @@ impl From<conv_runtime::Error> for Failure {
 }
 
 /// The one place a backend is chosen: everything below `run` is generic over the device.
-/// The oneDNN and CUDA layer backends do not exist yet; when they do, each gets its arm here
-/// (behind its cargo feature).
+/// Each backend this example can run gets its arm here (behind its cargo feature); the CUDA
+/// one does not have its arm yet.
 fn run_on_backend(args: &Args) -> Result<f64, Failure> {
     match args.backend {
-        Backend::Cpu => run(&mut Cpu::default(), args),
+        Backend::Cpu => {
+            let mut device = Cpu::with_threads(args.threads)
+                .map_err(|e| Failure::Run(format!("backend `cpu` could not start: {e}")))?;
+            run(&mut device, args)
+        }
         #[cfg(feature = "onednn")]
         Backend::OneDnn => {
-            let mut device = conv_runtime::OneDnn::new()
+            let mut device = conv_runtime::OneDnn::with_threads(args.threads)
                 .map_err(|e| Failure::Run(format!("backend `onednn` could not start: {e}")))?;
             run(&mut device, args)
         }
@@ -699,13 +721,15 @@ fn run(device: &mut impl Device, args: &Args) -> Result<f64, Failure> {
     let all = load_digits(&args.data).map_err(Failure::Run)?;
     let (train_set, test_set) = split(&all);
     println!(
-        "digits: {} training and {} test images of 8x8, {} classes; {} epochs of {} batches of {BATCH} on `{}`",
+        "digits: {} training and {} test images of 8x8, {} classes; {} epochs of {} batches of {BATCH} on `{}`, {} thread{}",
         train_set.len(),
         test_set.len(),
         CLASSES,
         args.epochs,
         train_set.len() / BATCH,
-        args.backend.name()
+        args.backend.name(),
+        args.threads,
+        if args.threads == 1 { "" } else { "s" }
     );
     let config = Config {
         epochs: args.epochs,
@@ -758,13 +782,14 @@ fn run(device: &mut impl Device, args: &Args) -> Result<f64, Failure> {
     );
 
     println!(
-        "TRAIN_DIGITS_RESULT {{\"backend\":\"{}\",\"epochs\":{},\"seed\":{},\"test_accuracy\":{:.4},\"train_seconds\":{:.3},\"images_per_second\":{:.0},\"min_accuracy\":{},\"passed\":{}}}",
+        "TRAIN_DIGITS_RESULT {{\"backend\":\"{}\",\"epochs\":{},\"seed\":{},\"test_accuracy\":{:.4},\"train_seconds\":{:.3},\"images_per_second\":{:.0},\"threads\":{},\"min_accuracy\":{},\"passed\":{}}}",
         args.backend.name(),
         args.epochs,
         args.seed,
         accuracy,
         trained.train_seconds,
         images_per_second,
+        args.threads,
         args.min_accuracy,
         accuracy >= args.min_accuracy
     );

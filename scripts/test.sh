@@ -38,4 +38,5 @@ CONV2D_TEST_THREADS=2 run cargo test --release --features onednn,cuda --test con
     --test gradcheck --test training
 # The main example in its short mode: exits non-zero unless the network learned.
 run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
+run cargo run --release --example train_digits -- --quick --threads 2
 run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors
