@@ -7,9 +7,9 @@
 //! capability) and the CUBIN is kept in the setup, per architecture, for every device and
 //! thread; each device loads the module once and resolves every kernel the layer lists. cuDNN
 //! descriptors are built once per layer type and batch (in the setup); the algorithms are chosen
-//! once per device, layer type and batch: cuDNN's heuristic for the forward convolution and the
-//! first deterministic algorithm for the two gradients (the first that runs where none is
-//! deterministic), all with `CUDNN_FMA_MATH` (TF32 would round the operands).
+//! once per device, layer type and batch, each the first in cuDNN's ranking that is
+//! deterministic and whose workspace can be allocated (the first that runs and fits where none
+//! is deterministic), all with `CUDNN_FMA_MATH` (TF32 would round the operands).
 //!
 //! The operations take host tensors: a [`Session`] uploads what a kernel reads, runs the
 //! recipe of `conv_macros::expand::cuda` and downloads the results. Gradients accumulate on
@@ -340,23 +340,27 @@ struct Algorithms {
     filter_bytes: usize,
 }
 
-/// The algorithm to run among cuDNN's ranked candidates `(status, determinism, algorithm)`: the
-/// first deterministic one cuDNN can run, so that training is reproducible; else the first it
-/// can run at all (a layer is better slower-to-reproduce than unusable).
+/// The algorithm to run among cuDNN's ranked candidates `(status, determinism, algorithm,
+/// workspace bytes)`: the first deterministic one cuDNN can run and whose workspace `fits`, so
+/// that training is reproducible; else the first it can run at all (a layer is better
+/// slower-to-reproduce than unusable).
 fn pick<A: Copy>(
     operation: &str,
-    candidates: impl Iterator<Item = (dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A)> + Clone,
+    candidates: impl Iterator<Item = (dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)> + Clone,
+    mut fits: impl FnMut(usize) -> Result<bool>,
 ) -> Result<A> {
-    let runs = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A)| {
+    let runs = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| {
         c.0 == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
     };
     let deterministic = candidates
         .clone()
-        .find(|c| runs(c) && c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC);
-    deterministic
-        .or_else(|| candidates.clone().find(runs))
-        .map(|c| c.2)
-        .ok_or_else(|| Error::new(operation, "no algorithm supports the layer"))
+        .filter(|c| runs(c) && c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC);
+    for c in deterministic.chain(candidates.filter(runs)) {
+        if fits(c.3)? {
+            return Ok(c.2);
+        }
+    }
+    Err(Error::new(operation, "no algorithm supports the layer"))
 }
 
 /// A layer type's module on one device: every kernel it lists, by name.
@@ -524,16 +528,13 @@ impl Cuda {
                 fwd.as_mut_ptr(),
             )
         })?;
-        let forward = fwd[..count.max(0) as usize]
-            .iter()
-            .find(|p| p.status == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS)
-            .ok_or_else(|| {
-                Error::new(
-                    "cudnnGetConvolutionForwardAlgorithm_v7",
-                    "no algorithm supports the layer",
-                )
-            })?
-            .algo;
+        let forward = pick(
+            "cudnnGetConvolutionForwardAlgorithm_v7",
+            fwd[..count.max(0) as usize]
+                .iter()
+                .map(|p| (p.status, p.determinism, p.algo, p.memory)),
+            |bytes| self.workspace_fits(bytes),
+        )?;
         let mut bwd: [dnn::cudnnConvolutionBwdDataAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
         cudnn("cudnnGetConvolutionBackwardDataAlgorithm_v7", unsafe {
             dnn::cudnnGetConvolutionBackwardDataAlgorithm_v7(
@@ -551,7 +552,8 @@ impl Cuda {
             "cudnnGetConvolutionBackwardDataAlgorithm_v7",
             bwd[..count.max(0) as usize]
                 .iter()
-                .map(|p| (p.status, p.determinism, p.algo)),
+                .map(|p| (p.status, p.determinism, p.algo, p.memory)),
+            |bytes| self.workspace_fits(bytes),
         )?;
         let mut flt: [dnn::cudnnConvolutionBwdFilterAlgoPerf_t; N] = unsafe { std::mem::zeroed() };
         cudnn("cudnnGetConvolutionBackwardFilterAlgorithm_v7", unsafe {
@@ -570,7 +572,8 @@ impl Cuda {
             "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
             flt[..count.max(0) as usize]
                 .iter()
-                .map(|p| (p.status, p.determinism, p.algo)),
+                .map(|p| (p.status, p.determinism, p.algo, p.memory)),
+            |bytes| self.workspace_fits(bytes),
         )?;
         let (mut forward_bytes, mut data_bytes, mut filter_bytes) = (0usize, 0usize, 0usize);
         // SAFETY: live handle and descriptors, valid out-pointers.
@@ -621,15 +624,31 @@ impl Cuda {
 
     /// The workspace, at least `bytes` long: its pointer (0 when none is needed).
     fn workspace(&mut self, bytes: usize) -> Result<u64> {
+        self.grow_workspace(bytes)
+            .map_err(|e| driver("cuMemAlloc (cuDNN workspace)", e))
+    }
+
+    /// Whether a workspace of `bytes` can be had (it is kept): cuDNN ranks its algorithms
+    /// without regard to free memory, so its first choice may need more than the GPU has.
+    fn workspace_fits(&mut self, bytes: usize) -> Result<bool> {
+        match self.grow_workspace(bytes) {
+            Ok(_) => Ok(true),
+            Err(e) if e.0 == drv::CUresult::CUDA_ERROR_OUT_OF_MEMORY => Ok(false),
+            Err(e) => Err(driver("cuMemAlloc (cuDNN workspace)", e)),
+        }
+    }
+
+    fn grow_workspace(
+        &mut self,
+        bytes: usize,
+    ) -> std::result::Result<u64, cudarc::driver::DriverError> {
         if bytes == 0 {
             return Ok(0);
         }
         if self.workspace.as_ref().is_none_or(|w| w.len() < bytes) {
             self.workspace = None;
             // SAFETY: scratch memory, written by cuDNN before it reads it.
-            let w = unsafe { self.stream.alloc::<u8>(bytes) }
-                .map_err(|e| driver("cuMemAlloc (cuDNN workspace)", e))?;
-            self.workspace = Some(w);
+            self.workspace = Some(unsafe { self.stream.alloc::<u8>(bytes) }?);
         }
         Ok(self
             .workspace
