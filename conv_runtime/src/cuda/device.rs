@@ -812,7 +812,9 @@ impl Session<'_> {
                 y.ptr() as *mut c_void,
             )
         };
-        if status == dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED {
+        // CUDNN_STATUS_NOT_SUPPORTED, or one of the sub-codes by which cuDNN 9 says why
+        // (CUDNN_STATUS_NOT_SUPPORTED_GRAPH_PATTERN and the others, 3001-3013).
+        if (3000..4000).contains(&(status as u32)) {
             self.dev.unfused.insert(key);
             return Ok(false);
         }
