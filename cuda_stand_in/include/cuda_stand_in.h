@@ -2,10 +2,10 @@
 // header (g++ -include) before every program it compiles.
 //
 // - `__global__`, `__device__`, `__forceinline__`, `__launch_bounds__` are plain C++;
-//   `__shared__` is `static thread_local`: all threads of a block run on one OS thread, one
-//   block after another, so a block's threads share one copy, which the next block reuses.
-// - `threadIdx`, `blockIdx`, `blockDim`, `gridDim` are per-OS-thread variables that the
-//   scheduler below sets before it runs a thread.
+//   `__shared__` is `static`: one launch of a module runs at a time, its blocks one after
+//   another on one OS thread, so a block's threads share one copy, which the next block reuses.
+// - `threadIdx`, `blockIdx`, `blockDim`, `gridDim` are variables the scheduler below sets
+//   before it runs a thread.
 // - Each thread of a block runs on its own fiber (its own stack) until it reaches
 //   `__syncthreads()` or returns; the barrier releases when every thread of the block has
 //   arrived. A block in which some threads returned while others wait at a barrier is an error
@@ -21,9 +21,7 @@
 #include <setjmp.h>
 #include <stddef.h>
 #include <stdint.h>
-#include <stdlib.h>
 #include <string.h>
-#include <ucontext.h>
 
 #include <cmath>
 #include <type_traits>
@@ -44,7 +42,7 @@
 #define __forceinline__ inline __attribute__((always_inline))
 #define __noinline__ __attribute__((noinline))
 #define __restrict__ __restrict
-#define __shared__ static thread_local
+#define __shared__ static
 
 struct uint3 {
     unsigned int x, y, z;
@@ -53,10 +51,11 @@ struct dim3 {
     unsigned int x, y, z;
 };
 
-static thread_local uint3 cuda_stand_in_thread_idx;
-static thread_local uint3 cuda_stand_in_block_idx;
-static thread_local dim3 cuda_stand_in_block_dim;
-static thread_local dim3 cuda_stand_in_grid_dim;
+// One launch of a module runs at a time (the stand-in serializes them), on one OS thread.
+static uint3 cuda_stand_in_thread_idx;
+static uint3 cuda_stand_in_block_idx;
+static dim3 cuda_stand_in_block_dim;
+static dim3 cuda_stand_in_grid_dim;
 // Read-only in kernels, as on the GPU.
 #define threadIdx (static_cast<const uint3&>(cuda_stand_in_thread_idx))
 #define blockIdx (static_cast<const uint3&>(cuda_stand_in_block_idx))
@@ -66,7 +65,7 @@ static thread_local dim3 cuda_stand_in_grid_dim;
 constexpr int warpSize = 32;
 
 namespace cuda_stand_in {
-inline void barrier();
+static void barrier();
 }
 
 inline void __syncthreads() { cuda_stand_in::barrier(); }
@@ -142,7 +141,7 @@ struct Launch {
 };
 
 // cuda_stand_in_launch's results (Rust: exec::launch).
-enum Status : int { OK = 0, DIVERGENT_BARRIER = 1, FAULT = 2, NO_MEMORY = 3 };
+enum Status : int { OK = 0, DIVERGENT_BARRIER = 1, FAULT = 2 };
 
 template <class A>
 inline A& argument(void* slot) {
@@ -192,19 +191,59 @@ constexpr unsigned int parameter_count(void (*)(A...)) {
 
 // ---- The scheduler: a block's threads as fibers on the launching OS thread. ----
 //
-// ucontext makes each fiber (makecontext, entered once with setcontext); switches between a
-// fiber and the scheduler are _setjmp/_longjmp, which skip swapcontext's signal-mask system
-// call (twenty times faster, and the suites run millions of barrier phases).
+// Each thread runs on a fiber (its own stack) until it returns or reaches a barrier; then the
+// fiber switches straight to the fiber of the next thread of the phase. A fiber whose thread
+// returned takes the next thread that has not started, so a block without barriers runs on one
+// fiber, thread after thread. The switch is a few instructions of assembly (callee-saved
+// registers and the floating-point control words): swapcontext's signal-mask system call would
+// cost a hundred times more, and the suites run billions of barrier phases.
+
+#if !defined(__x86_64__)
+#error "the CUDA stand-in's fibers switch stacks with x86-64 assembly"
+#endif
 
 constexpr unsigned int MAX_THREADS = 1024;
 
 enum ThreadState : unsigned char { NOT_STARTED, RUNNING, AT_BARRIER, DONE };
 
+// Saves the calling context on its stack, stores the stack pointer in `*save` and resumes the
+// context whose stack pointer is `load`.
+extern "C" void cuda_stand_in_switch(void** save, void* load);
+asm(R"(
+    .text
+    .p2align 4
+    .hidden cuda_stand_in_switch
+    .globl cuda_stand_in_switch
+    .type cuda_stand_in_switch, @function
+cuda_stand_in_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size cuda_stand_in_switch, .-cuda_stand_in_switch
+)");
+
 struct Fiber {
-    jmp_buf context;
-    void* stack;
+    // Where its context is saved while another runs.
+    void* sp;
     unsigned int thread;
-    bool started;
 };
 
 struct Scheduler {
@@ -212,151 +251,168 @@ struct Scheduler {
     unsigned int threads;
     unsigned char state[MAX_THREADS];
     Fiber* fiber_of[MAX_THREADS];
-    // The order in which this phase runs the threads, and how far it got.
+    uint3 index[MAX_THREADS];
+    // This phase's order of the threads (permuted schedule), and how far it got.
     unsigned int order[MAX_THREADS];
     unsigned int next;
+    unsigned int phase;
+    unsigned long long block;
     Fiber fibers[MAX_THREADS];
     unsigned int fibers_made;
     Fiber* idle[MAX_THREADS];
     unsigned int idle_count;
     Fiber* current;
+    // The launcher's own context, resumed when a block ends.
+    Fiber home;
     unsigned int at_barrier;
     unsigned int done;
-    jmp_buf home;
+    Status result;
     sigjmp_buf fault;
 };
 
-static thread_local Scheduler* scheduler;
-
-inline void set_thread(const Scheduler* s, unsigned int t) {
-    const unsigned int* b = s->launch->block;
-    cuda_stand_in_thread_idx = uint3{t % b[0], t / b[0] % b[1], t / (b[0] * b[1])};
-}
+// One launch at a time per module: the stand-in serializes them.
+static Scheduler scheduler;
 
 // SplitMix64: the permuted schedule's pseudo-random numbers.
-inline unsigned long long mix(unsigned long long x) {
+static unsigned long long mix(unsigned long long x) {
     x += 0x9e3779b97f4a7c15ull;
     x = (x ^ (x >> 30)) * 0xbf58476d1ce4e5b9ull;
     x = (x ^ (x >> 27)) * 0x94d049bb133111ebull;
     return x ^ (x >> 31);
 }
 
-inline void make_order(Scheduler* s, unsigned long long block, unsigned int phase) {
-    const unsigned int n = s->threads;
-    for (unsigned int i = 0; i < n; ++i) {
-        s->order[i] = i;
-    }
-    if (!s->launch->permuted) {
+static void start_phase(Scheduler& s) {
+    s.next = 0;
+    s.at_barrier = 0;
+    if (!s.launch->permuted) {
         return;
     }
-    unsigned long long r = mix(s->launch->seed ^ mix(block ^ mix(phase)));
+    const unsigned int n = s.threads;
+    for (unsigned int i = 0; i < n; ++i) {
+        s.order[i] = i;
+    }
+    // Fisher-Yates with a linear congruential generator seeded per launch, block and phase,
+    // and a multiply-shift in place of the modulo: cheap, for a fresh order every phase.
+    unsigned long long r = mix(s.launch->seed ^ mix(s.block ^ mix(s.phase)));
     for (unsigned int i = n - 1; i > 0; --i) {
-        r = mix(r);
-        const unsigned int j = static_cast<unsigned int>(r % (i + 1));
-        const unsigned int t = s->order[i];
-        s->order[i] = s->order[j];
-        s->order[j] = t;
+        r = r * 6364136223846793005ull + 1442695040888963407ull;
+        const unsigned int j = static_cast<unsigned int>(((r >> 32) * (i + 1)) >> 32);
+        const unsigned int t = s.order[i];
+        s.order[i] = s.order[j];
+        s.order[j] = t;
     }
 }
 
-// Back to the scheduler; returns when the scheduler resumes this fiber.
-__attribute__((noinline)) inline void yield(Scheduler* s, Fiber* f) {
-    if (_setjmp(f->context) == 0) {
-        _longjmp(s->home, 1);
-    }
+static unsigned int order_at(const Scheduler& s, unsigned int i) {
+    return s.launch->permuted ? s.order[i] : i;
 }
 
-[[noreturn]] inline void fiber_main() {
-    Scheduler* s = scheduler;
-    Fiber* f = s->current;
-    for (;;) {
-        s->launch->kernel->run(s->launch->params);
-        s->state[f->thread] = DONE;
-        s->done += 1;
-        // A thread that returns frees its fiber for the next thread of the phase that has not
-        // started: without barriers a block runs on one fiber, one thread after another.
-        if (s->next < s->threads && s->state[s->order[s->next]] == NOT_STARTED) {
-            const unsigned int t = s->order[s->next++];
-            s->state[t] = RUNNING;
-            s->fiber_of[t] = f;
-            f->thread = t;
-            set_thread(s, t);
-            continue;
-        }
-        s->idle[s->idle_count++] = f;
-        yield(s, f);
-    }
-}
+static void fiber_main();
 
-__attribute__((noinline)) inline void resume(Scheduler* s, Fiber* f) {
-    s->current = f;
-    set_thread(s, f->thread);
-    if (_setjmp(s->home) == 0) {
-        if (!f->started) {
-            f->started = true;
-            ucontext_t start;
-            getcontext(&start);
-            start.uc_stack.ss_sp = f->stack;
-            start.uc_stack.ss_size = s->launch->stack_size;
-            start.uc_link = nullptr;
-            makecontext(&start, fiber_main, 0);
-            setcontext(&start);
-        }
-        _longjmp(f->context, 1);
+// A fiber's initial stack, as cuda_stand_in_switch leaves one: the control words, six
+// registers, and the address it returns to (fiber_main, entered as if called).
+static Fiber* new_fiber(Scheduler& s) {
+    Fiber* f = &s.fibers[s.fibers_made];
+    const uintptr_t top =
+        (reinterpret_cast<uintptr_t>(s.launch->stacks[s.fibers_made]) + s.launch->stack_size) &
+        ~static_cast<uintptr_t>(15);
+    void** sp = reinterpret_cast<void**>(top);
+    *--sp = nullptr;
+    *--sp = reinterpret_cast<void*>(&fiber_main);
+    for (int i = 0; i < 6; ++i) {
+        *--sp = nullptr;
     }
-}
-
-__attribute__((noinline)) inline void barrier() {
-    Scheduler* s = scheduler;
-    Fiber* f = s->current;
-    s->state[f->thread] = AT_BARRIER;
-    s->at_barrier += 1;
-    yield(s, f);
-}
-
-inline Fiber* take_fiber(Scheduler* s) {
-    if (s->idle_count > 0) {
-        return s->idle[--s->idle_count];
-    }
-    Fiber* f = &s->fibers[s->fibers_made];
-    f->stack = s->launch->stacks[s->fibers_made];
-    f->started = false;
-    s->fibers_made += 1;
+    // MXCSR and the x87 control word as a program starts: round to nearest, no traps.
+    *--sp = reinterpret_cast<void*>(static_cast<uintptr_t>(0x037f) << 32 | 0x1f80);
+    f->sp = sp;
+    s.fibers_made += 1;
     return f;
 }
 
-inline Status run_block(Scheduler* s, unsigned long long block) {
-    for (unsigned int t = 0; t < s->threads; ++t) {
-        s->state[t] = NOT_STARTED;
-    }
-    s->done = 0;
-    for (unsigned int phase = 0;; ++phase) {
-        make_order(s, block, phase);
-        s->next = 0;
-        s->at_barrier = 0;
-        while (s->next < s->threads) {
-            const unsigned int t = s->order[s->next++];
-            const unsigned char state = s->state[t];
-            if (state == DONE) {
-                continue;
-            }
-            Fiber* f = state == NOT_STARTED ? take_fiber(s) : s->fiber_of[t];
-            f->thread = t;
-            s->fiber_of[t] = f;
-            s->state[t] = RUNNING;
-            resume(s, f);
-        }
-        if (s->at_barrier == 0) {
-            return OK;
-        }
-        if (s->done > 0) {
-            // Some threads returned while others wait at a barrier they can never pass.
-            return DIVERGENT_BARRIER;
-        }
+// Runs thread `t` on fiber `f` next, switching from `self` (which resumes when something
+// switches back to it).
+static void run_on(Scheduler& s, Fiber* self, Fiber* f, unsigned int t) {
+    s.state[t] = RUNNING;
+    s.fiber_of[t] = f;
+    f->thread = t;
+    s.current = f;
+    cuda_stand_in_thread_idx = s.index[t];
+    if (f != self) {
+        cuda_stand_in_switch(&self->sp, f->sp);
     }
 }
 
-inline unsigned long long gcd(unsigned long long a, unsigned long long b) {
+// After `self` stopped (its thread at a barrier, or done and idle): runs whatever comes next.
+// Returns when `self` is resumed.
+__attribute__((noinline)) static void dispatch(Fiber* self) {
+    Scheduler& s = scheduler;
+    for (;;) {
+        while (s.next < s.threads) {
+            const unsigned int t = order_at(s, s.next++);
+            switch (s.state[t]) {
+                case NOT_STARTED: {
+                    Fiber* f = s.idle_count > 0 ? s.idle[--s.idle_count] : new_fiber(s);
+                    run_on(s, self, f, t);
+                    return;
+                }
+                case AT_BARRIER:
+                    run_on(s, self, s.fiber_of[t], t);
+                    return;
+                default:
+                    break;
+            }
+        }
+        if (s.at_barrier == 0 || s.done > 0) {
+            // The block is done, or some threads returned while others wait at a barrier
+            // they can never pass.
+            s.result = s.at_barrier == 0 ? OK : DIVERGENT_BARRIER;
+            cuda_stand_in_switch(&self->sp, s.home.sp);
+            return;
+        }
+        s.phase += 1;
+        start_phase(s);
+    }
+}
+
+static void fiber_main() {
+    Scheduler& s = scheduler;
+    for (;;) {
+        Fiber* f = s.current;
+        s.launch->kernel->run(s.launch->params);
+        s.state[f->thread] = DONE;
+        s.done += 1;
+        // In the first phase every thread after this one has yet to start: take the next.
+        if (s.phase == 0 && s.next < s.threads) {
+            const unsigned int t = order_at(s, s.next++);
+            run_on(s, f, f, t);
+            continue;
+        }
+        s.idle[s.idle_count++] = f;
+        dispatch(f);
+    }
+}
+
+__attribute__((noinline)) static void barrier() {
+    Scheduler& s = scheduler;
+    Fiber* f = s.current;
+    s.state[f->thread] = AT_BARRIER;
+    s.at_barrier += 1;
+    dispatch(f);
+}
+
+static Status run_block(Scheduler& s, unsigned long long block) {
+    for (unsigned int t = 0; t < s.threads; ++t) {
+        s.state[t] = NOT_STARTED;
+    }
+    s.block = block;
+    s.phase = 0;
+    s.done = 0;
+    start_phase(s);
+    dispatch(&s.home);
+    return s.result;
+}
+
+static unsigned long long gcd(unsigned long long a, unsigned long long b) {
     while (b != 0) {
         const unsigned long long t = a % b;
         a = b;
@@ -365,10 +421,12 @@ inline unsigned long long gcd(unsigned long long a, unsigned long long b) {
     return a;
 }
 
-[[noreturn]] inline void land(void* fault) { siglongjmp(*static_cast<sigjmp_buf*>(fault), 1); }
+[[noreturn]] static void land(void* fault) {
+    siglongjmp(*static_cast<sigjmp_buf*>(fault), 1);
+}
 
-inline Status run_blocks(Scheduler* s) {
-    const Launch* l = s->launch;
+static Status run_blocks(Scheduler& s) {
+    const Launch* l = s.launch;
     const unsigned long long gx = l->grid[0], gy = l->grid[1], gz = l->grid[2];
     const unsigned long long blocks = gx * gy * gz;
     // The permuted schedule visits block (a * i + c) mod blocks, a coprime to blocks.
@@ -400,26 +458,24 @@ inline Status run_blocks(Scheduler* s) {
 // geometry (at most MAX_THREADS threads per block) and the pointer parameters.
 CUDA_STAND_IN_EXPORT int cuda_stand_in_launch(const cuda_stand_in::Launch* l) {
     using namespace cuda_stand_in;
-    Scheduler* const s = static_cast<Scheduler*>(calloc(1, sizeof(Scheduler)));
-    if (s == nullptr) {
-        return NO_MEMORY;
+    Scheduler& s = scheduler;
+    s.launch = l;
+    s.threads = l->block[0] * l->block[1] * l->block[2];
+    s.fibers_made = 0;
+    s.idle_count = 0;
+    for (unsigned int t = 0; t < s.threads; ++t) {
+        s.index[t] = uint3{t % l->block[0], t / l->block[0] % l->block[1],
+                           t / (l->block[0] * l->block[1])};
     }
-    s->launch = l;
-    s->threads = l->block[0] * l->block[1] * l->block[2];
     cuda_stand_in_block_dim = dim3{l->block[0], l->block[1], l->block[2]};
     cuda_stand_in_grid_dim = dim3{l->grid[0], l->grid[1], l->grid[2]};
-    scheduler = s;
-    int status;
-    if (sigsetjmp(s->fault, 1) == 0) {
-        l->api->enter_kernel(land, &s->fault);
-        status = run_blocks(s);
-        l->api->leave_kernel();
-    } else {
+    if (sigsetjmp(s.fault, 1) != 0) {
         // A fault: the stand-in's handler left the kernel and jumped here.
-        status = FAULT;
+        return FAULT;
     }
-    scheduler = nullptr;
-    free(s);
+    l->api->enter_kernel(land, &s.fault);
+    const Status status = run_blocks(s);
+    l->api->leave_kernel();
     return status;
 }
 

@@ -1,8 +1,9 @@
 //! Kernel modules and launches: the compiled programs the driver loads, and how a launch runs.
 //!
-//! A module is the shared object the stand-in NVRTC compiled, opened with `dlopen`. It carries
-//! the launcher of `include/cuda_stand_in.h` (`cuda_stand_in_launch`: blocks one after another
-//! on the calling thread, each block's threads as fibers with a real barrier) and a table of its
+//! A module is the shared object the stand-in NVRTC compiled, opened with `dlopen` (each load a
+//! copy of its own). It carries the launcher of `include/cuda_stand_in.h`
+//! (`cuda_stand_in_launch`: blocks one after another on the calling thread, each block's threads
+//! as fibers with a real barrier, one launch of the module at a time) and a table of its
 //! kernels, each with a function that reads cuLaunchKernel's `void** kernelParams` as the
 //! kernel's own parameter types, and one that checks its pointer parameters against the live
 //! allocations before anything runs.
@@ -17,7 +18,7 @@ use std::cell::{Cell, RefCell};
 use std::ffi::{c_char, c_int, c_uint, c_ulonglong, c_void, CStr};
 use std::path::Path;
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Once, OnceLock};
+use std::sync::{Mutex, Once, OnceLock};
 
 use crate::memory;
 
@@ -93,13 +94,16 @@ pub enum LaunchError {
     Fault(u64),
     /// The kernel wrote into the canary beside the allocation holding this address.
     Overrun(u64),
-    /// No memory for the fibers.
+    /// No memory for the fibers' stacks.
     OutOfResources,
 }
 
 /// A loaded module.
 pub struct Module {
     handle: *mut c_void,
+    /// Held by a launch: the module's launcher keeps its state (threadIdx, shared memory, the
+    /// fibers) in its own globals, so it runs one launch at a time.
+    running: Mutex<()>,
     kernels: *const KernelEntry,
     count: usize,
     launch: unsafe extern "C" fn(*const Launch) -> c_int,
@@ -214,6 +218,7 @@ impl Module {
         let kernels = table(&mut count);
         Ok(Module {
             handle,
+            running: Mutex::new(()),
             kernels,
             count: count as usize,
             launch: std::mem::transmute::<*mut c_void, unsafe extern "C" fn(*const Launch) -> c_int>(
@@ -278,6 +283,7 @@ impl Module {
         if kernel.params > 0 && params.is_null() {
             return Err(LaunchError::NoParameters);
         }
+        let _running = self.running.lock().unwrap_or_else(|p| p.into_inner());
         CHECKED.with(|c| c.borrow_mut().clear());
         let bad = (kernel.check)(params, &API);
         if let Ok(bad) = usize::try_from(bad) {
@@ -304,8 +310,7 @@ impl Module {
         match (self.launch)(&launch) {
             0 => {}
             1 => return Err(LaunchError::DivergentBarrier),
-            2 => return Err(LaunchError::Fault(FAULT_ADDRESS.with(Cell::get))),
-            _ => return Err(LaunchError::OutOfResources),
+            _ => return Err(LaunchError::Fault(FAULT_ADDRESS.with(Cell::get))),
         }
         let pointers = CHECKED.with(|c| c.borrow().clone());
         match pointers.into_iter().find(|&p| !memory::canaries_intact(p)) {
