@@ -857,13 +857,15 @@ pub unsafe extern "C" fn cuLaunchKernel(
         if !geometry_ok {
             return Err(CUresult::CUDA_ERROR_INVALID_VALUE);
         }
-        let failure = match module.launch(index, grid, block, kernelParams) {
-            Ok(()) => return Ok(()),
-            Err(LaunchError::NoParameters) => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
-            Err(e) => e,
+        let Err(failure) = module.launch(index, grid, block, kernelParams) else {
+            return Ok(());
         };
         let name = module.name(index);
         let error = match failure {
+            LaunchError::NoParameters => return Err(CUresult::CUDA_ERROR_INVALID_VALUE),
+            LaunchError::OutOfResources => {
+                return Err(CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
+            }
             LaunchError::BadPointer(i) => {
                 eprintln!(
                     "cuda-stand-in: kernel `{name}`: parameter {i} points outside device memory \
@@ -889,10 +891,8 @@ pub unsafe extern "C" fn cuLaunchKernel(
                 );
                 CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
             }
-            LaunchError::OutOfResources | LaunchError::NoParameters => {
-                return Err(CUresult::CUDA_ERROR_LAUNCH_OUT_OF_RESOURCES)
-            }
         };
+        // Sticky, as a fault or a failed kernel is on a GPU.
         set_sticky(error);
         Err(error)
     })())
