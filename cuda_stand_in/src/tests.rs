@@ -977,3 +977,99 @@ fn cudnn_refuses_like_cudnn() {
         CUresult::CUDA_ERROR_ILLEGAL_ADDRESS
     );
 }
+
+/// The backward calls are the forward convolution's adjoints, in both layouts:
+/// `<dy, conv(x, w)> = <backward_data(w, dy), x> = <backward_filter(x, dy), w>`.
+#[test]
+fn cudnn_backward_calls_are_adjoints() {
+    let _ctx = Context::new();
+    let (n, c, h, wd, k, r, pad, stride) = (2, 3, 7, 6, 4, 3, 1, 2);
+    for format in [0, 1] {
+        let s = setup([n, c, h, wd], [k, r, r], pad, stride, 1, format).unwrap();
+        let (oh, ow) = (
+            (h + 2 * pad - r) / stride + 1,
+            (wd + 2 * pad - r) / stride + 1,
+        );
+        let values = |len: c_int, seed: usize| -> Vec<f64> {
+            (0..len as usize)
+                .map(|i| ((i * 7 + seed) % 13) as f64 / 8.0 - 0.7)
+                .collect()
+        };
+        let (xv, wv, dyv) = (
+            values(n * c * h * wd, 1),
+            values(k * c * r * r, 2),
+            values(n * k * oh * ow, 3),
+        );
+        let (x, w, dy) = (upload(&xv), upload(&wv), upload(&dyv));
+        let (y, dx, dw) = (
+            alloc(dyv.len() * 8),
+            alloc(xv.len() * 8),
+            alloc(wv.len() * 8),
+        );
+        let (one, zero) = (1.0f64, 0.0f64);
+        let (alpha, beta) = ((&one as *const f64).cast(), (&zero as *const f64).cast());
+        let null = std::ptr::null_mut();
+        // SAFETY: live descriptors; allocations of their sizes; algorithms without a workspace.
+        unsafe {
+            let r = cudnnConvolutionForward(
+                s.h,
+                alpha,
+                s.x,
+                x as *const c_void,
+                s.w,
+                w as *const c_void,
+                s.c,
+                0,
+                null,
+                0,
+                beta,
+                s.y,
+                y as *mut c_void,
+            );
+            assert_eq!(r, S::CUDNN_STATUS_SUCCESS);
+            let r = cudnnConvolutionBackwardData(
+                s.h,
+                alpha,
+                s.w,
+                w as *const c_void,
+                s.y,
+                dy as *const c_void,
+                s.c,
+                1,
+                null,
+                0,
+                beta,
+                s.x,
+                dx as *mut c_void,
+            );
+            assert_eq!(r, S::CUDNN_STATUS_SUCCESS);
+            let r = cudnnConvolutionBackwardFilter(
+                s.h,
+                alpha,
+                s.x,
+                x as *const c_void,
+                s.y,
+                dy as *const c_void,
+                s.c,
+                1,
+                null,
+                0,
+                beta,
+                s.w,
+                dw as *mut c_void,
+            );
+            assert_eq!(r, S::CUDNN_STATUS_SUCCESS);
+        }
+        let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(p, q)| p * q).sum::<f64>();
+        let forward = dot(&dyv, &download::<f64>(y, dyv.len()));
+        let data = dot(&xv, &download::<f64>(dx, xv.len()));
+        let filter = dot(&wv, &download::<f64>(dw, wv.len()));
+        assert!(
+            (forward - data).abs() < 1e-9 && (forward - filter).abs() < 1e-9,
+            "format {format}: {forward} {data} {filter}"
+        );
+        for p in [x, w, dy, y, dx, dw] {
+            free(p);
+        }
+    }
+}
