@@ -9,6 +9,7 @@ use std::fmt;
 use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::element::Element;
+use crate::params::ParamTensor;
 
 static NEXT_STAMP: AtomicU64 = AtomicU64::new(1);
 
@@ -135,6 +136,13 @@ dense!(
     Vector[N],
     "Vector"
 );
+dense!(
+    /// A 2-D tensor, row-major `[R][C]`: a batch of `R` flat samples of `C` values each (a
+    /// network's output after `Flatten` or `Dense`: logits, Q-values), or a dense layer's
+    /// weights `[out][in]` (PyTorch's `nn.Linear.weight` layout).
+    Matrix[R, C],
+    "Matrix"
+);
 
 impl<T, const N: usize, const H: usize, const W: usize, const C: usize> Tensor<T, N, H, W, C> {
     /// The shape as `[N, H, W, C]`.
@@ -144,6 +152,55 @@ impl<T, const N: usize, const H: usize, const W: usize, const C: usize> Tensor<T
 impl<T, const N: usize> Vector<T, N> {
     /// The shape as `[N]`.
     pub const SHAPE: [usize; 1] = [N];
+}
+
+impl<T, const R: usize, const C: usize> Matrix<T, R, C> {
+    /// The shape as `[R, C]`.
+    pub const SHAPE: [usize; 2] = [R, C];
+
+    /// Row `i` (sample `i` of a batch).
+    ///
+    /// # Panics
+    ///
+    /// If `i >= R`, as slice indexing does.
+    #[inline]
+    pub fn row(&self, i: usize) -> &[T] {
+        assert!(i < R, "row {i} of a matrix with {R} rows");
+        &self.as_slice()[i * C..(i + 1) * C]
+    }
+
+    /// Row `i`, mutably; gives the matrix a new stamp.
+    ///
+    /// # Panics
+    ///
+    /// If `i >= R`, as slice indexing does.
+    #[inline]
+    pub fn row_mut(&mut self, i: usize) -> &mut [T] {
+        assert!(i < R, "row {i} of a matrix with {R} rows");
+        &mut self.as_mut_slice()[i * C..(i + 1) * C]
+    }
+
+    /// The rows in order (`R` of them, also when `C` is 0).
+    pub fn rows(&self) -> impl ExactSizeIterator<Item = &[T]> + '_ {
+        (0..R).map(move |i| self.row(i))
+    }
+}
+
+/// A dense layer's weights are a matrix; optimizers and checkpoints see its two-dimensional
+/// shape, so a safetensors file stores `[out, in]` as PyTorch does.
+impl<T, const R: usize, const C: usize> ParamTensor<T> for Matrix<T, R, C> {
+    fn values_mut(&mut self) -> &mut [T] {
+        self.as_mut_slice()
+    }
+    fn values(&self) -> &[T] {
+        self.as_slice()
+    }
+    fn stamp(&self) -> u64 {
+        Matrix::stamp(self)
+    }
+    fn shape(&self) -> &'static [usize] {
+        &Self::SHAPE
+    }
 }
 
 #[cfg(test)]
@@ -164,5 +221,35 @@ mod tests {
         assert_eq!(t.stamp(), c.stamp());
         t.as_mut_slice()[0] = 5.0;
         assert_ne!(t.stamp(), c.stamp());
+    }
+
+    #[test]
+    fn matrix_rows_are_row_major() {
+        let mut m = Matrix::<f32, 3, 2>::from_fn(|i| i as f32);
+        assert_eq!(
+            (Matrix::<f32, 3, 2>::LEN, Matrix::<f32, 3, 2>::SHAPE),
+            (6, [3, 2])
+        );
+        assert_eq!(m.row(1), &[2.0, 3.0]);
+        let rows: Vec<&[f32]> = m.rows().collect();
+        assert_eq!(rows, [&[0.0, 1.0][..], &[2.0, 3.0], &[4.0, 5.0]]);
+        let stamp = m.stamp();
+        m.row_mut(2)[0] = 9.0;
+        assert_ne!(m.stamp(), stamp);
+        assert_eq!(m.as_slice()[4], 9.0);
+        assert_eq!(Matrix::<f64, 4, 0>::zeros().rows().count(), 4);
+        let err = Matrix::<f32, 2, 3>::from_vec(vec![0.0; 5]).unwrap_err();
+        assert_eq!((err.expected, err.got, err.shape), (6, 5, "Matrix"));
+        assert_eq!(
+            format!("{:?}", Matrix::<f32, 1, 2>::zeros()),
+            "Matrix { shape: [1, 2], data: [0.0, 0.0] }"
+        );
+    }
+
+    #[test]
+    #[should_panic(expected = "row 2 of a matrix with 2 rows")]
+    fn matrix_row_out_of_range_panics() {
+        let m = Matrix::<f32, 2, 3>::zeros();
+        let _ = m.row(2);
     }
 }
