@@ -17,8 +17,10 @@ use crate::params::{ParamTensor, Parameters};
 struct Slot<A> {
     /// First moment / momentum buffer.
     m: Vec<A>,
-    /// Second moment (Adam).
+    /// Second moment (Adam), mean of the squared gradients (RMSprop).
     v: Vec<A>,
+    /// Mean of the gradients (centered RMSprop).
+    mean: Vec<A>,
     /// f32 master copy of half-precision parameters (empty otherwise).
     master: Vec<A>,
     /// The stamp the parameters had after this optimizer last wrote them.
@@ -59,6 +61,7 @@ impl<A: Real> State<A> {
                     slots.push(Slot {
                         m: vec![A::zero(); n],
                         v: Vec::new(),
+                        mean: Vec::new(),
                         master: Vec::new(),
                         written: 0,
                     });
@@ -328,10 +331,199 @@ impl<A: Real> Adam<A> {
     }
 }
 
+/// RMSprop (`torch.optim.RMSprop`): each step divides the gradient by a running root mean
+/// square of the gradients, optionally centered, with L2 weight decay and momentum.
+///
+/// Per parameter, with gradient `g` (plus `weight_decay * p`), the state starting at zero:
+///
+/// ```text
+/// v    = alpha * v + (1 - alpha) * g * g
+/// mean = lerp(mean, g, 1 - alpha)                  (centered only)
+/// avg  = sqrt(v - mean * mean) + eps               (centered)
+///      = sqrt(v) + eps                             (otherwise)
+/// buf  = momentum * buf + g / avg;   p -= lr * buf (momentum > 0)
+///                                    p -= lr * (g / avg)
+/// ```
+///
+/// These are PyTorch's operations in PyTorch's order, PyTorch's `lerp` included (`mean + w *
+/// (g - mean)` for a weight `w < 0.5`, `g - (g - mean) * (1 - w)` otherwise), so a step differs
+/// from PyTorch's only by the rounding of the scalars, which are computed in the accumulator
+/// type here (`1 - alpha` in f32 for f32 layers; PyTorch computes it in f64 in Python). Three
+/// points that differ from other RMSprop implementations and matter when porting settings:
+/// `eps` is added outside the square root (TensorFlow adds it inside); the momentum buffer
+/// starts at zero, not at the first update; and unlike [`Adam`] there is no bias correction,
+/// so the first steps are large: the first moves each parameter by about
+/// `lr / sqrt(1 - alpha)` (10 `lr` at the default alpha) against its gradient's sign.
+///
+/// Centered: `v - mean^2` is a running variance, positive in exact arithmetic; as in PyTorch
+/// it is not clamped, so a gradient that stays constant for thousands of steps can round it
+/// below zero and make the step NaN.
+///
+/// ```
+/// use conv_runtime::prelude::*;
+///
+/// conv_runtime::conv2d! {
+///     pub struct Conv { input: [6, 6, 2], out_channels: 3, kernel: 3, batch: 2 }
+/// }
+///
+/// # fn main() -> conv_runtime::Result<()> {
+/// let mut cpu = Cpu::default();
+/// let mut layer = Conv::new(&mut Rng::seed_from_u64(1));
+/// let (mut grads, mut state) = (ConvGrads::zeros(), ConvState::new());
+/// let x = Tensor::<f32, 2, 6, 6, 2>::from_fn(|i| (i % 5) as f32 * 0.25 - 0.5);
+/// let d_output = Tensor::<f32, 2, 4, 4, 3>::from_fn(|i| (i % 3) as f32 - 1.0);
+/// layer.forward(&mut cpu, &x, &mut state, Mode::Train)?;
+/// layer.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
+///
+/// let before = layer.clone();
+/// let mut rmsprop = RmsProp::new(1e-3);
+/// rmsprop.step(&mut layer, &grads);
+/// // The first step: v = 0.01 g^2, so p moves by lr * g / (0.1 |g| + eps), 10 lr against g.
+/// for (p, p0, g) in [
+///     (layer.weights.as_slice(), before.weights.as_slice(), grads.weights.as_slice()),
+///     (layer.biases.as_slice(), before.biases.as_slice(), grads.biases.as_slice()),
+/// ] {
+///     for i in 0..p.len() {
+///         let expected = p0[i] - 1e-3 * g[i] / ((0.01 * g[i] * g[i]).sqrt() + 1e-8);
+///         assert!((p[i] - expected).abs() <= 1e-6 * expected.abs().max(1.0));
+///     }
+/// }
+/// # Ok(())
+/// # }
+/// ```
+pub struct RmsProp<A: Real> {
+    /// Learning rate.
+    pub lr: A,
+    /// Smoothing constant: the weight of the past in the running means (PyTorch's `alpha`).
+    pub alpha: A,
+    /// Added to the denominator, outside the square root.
+    pub eps: A,
+    /// L2 penalty added to the gradient.
+    pub weight_decay: A,
+    /// Momentum factor (0: none).
+    pub momentum: A,
+    /// Normalizes by the running variance of the gradient instead of its mean square.
+    pub centered: bool,
+    state: State<A>,
+}
+
+impl<A: Real> RmsProp<A> {
+    /// RMSprop with learning rate `lr` and PyTorch's defaults otherwise (alpha 0.99, eps 1e-8,
+    /// no weight decay, no momentum, not centered).
+    pub fn new(lr: A) -> Self {
+        Self {
+            lr,
+            alpha: A::from_f64(0.99),
+            eps: A::from_f64(1e-8),
+            weight_decay: A::zero(),
+            momentum: A::zero(),
+            centered: false,
+            state: State::new(),
+        }
+    }
+
+    /// Sets the smoothing constant.
+    pub fn with_alpha(mut self, alpha: A) -> Self {
+        self.alpha = alpha;
+        self
+    }
+
+    /// Sets epsilon.
+    pub fn with_eps(mut self, eps: A) -> Self {
+        self.eps = eps;
+        self
+    }
+
+    /// Sets the L2 weight decay.
+    pub fn with_weight_decay(mut self, weight_decay: A) -> Self {
+        self.weight_decay = weight_decay;
+        self
+    }
+
+    /// Sets the momentum factor.
+    pub fn with_momentum(mut self, momentum: A) -> Self {
+        self.momentum = momentum;
+        self
+    }
+
+    /// Centers the second moment (PyTorch's `centered=True`).
+    pub fn with_centered(mut self, centered: bool) -> Self {
+        self.centered = centered;
+        self
+    }
+
+    /// Steps taken since creation or the last reset.
+    pub fn steps(&self) -> u64 {
+        self.state.step
+    }
+
+    /// One step on `params` with `grads`.
+    pub fn step<P: Parameters>(&mut self, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        self.state.step += 1;
+        let (lr, alpha, eps, wd, momentum, centered) = (
+            self.lr,
+            self.alpha,
+            self.eps,
+            self.weight_decay,
+            self.momentum,
+            self.centered,
+        );
+        // `1 - alpha` is the weight of the new gradient in both running means.
+        let weight = A::ONE - alpha;
+        let small_weight = weight.abs() < A::from_f64(0.5);
+        // PyTorch keeps a momentum buffer only for momentum > 0 (a negative one is rejected
+        // there, skipped here).
+        let with_momentum = momentum > A::zero();
+        self.state.apply(params, grads, |slot, grad, values| {
+            let n = values.len();
+            if slot.v.len() != n {
+                slot.v = vec![A::zero(); n];
+            }
+            if centered && slot.mean.len() != n {
+                slot.mean = vec![A::zero(); n];
+            }
+            for i in 0..n {
+                let g = grad[i] + wd * values[i];
+                let v = alpha * slot.v[i] + weight * g * g;
+                slot.v[i] = v;
+                let root = if centered {
+                    let mean = slot.mean[i];
+                    // at::native::lerp, with its branch for numerical accuracy.
+                    let mean = if small_weight {
+                        mean + weight * (g - mean)
+                    } else {
+                        g - (g - mean) * (A::ONE - weight)
+                    };
+                    slot.mean[i] = mean;
+                    (v - mean * mean).sqrt()
+                } else {
+                    v.sqrt()
+                };
+                let avg = root + eps;
+                if with_momentum {
+                    let buf = momentum * slot.m[i] + g / avg;
+                    slot.m[i] = buf;
+                    values[i] -= lr * buf;
+                } else {
+                    values[i] -= lr * (g / avg);
+                }
+            }
+        });
+    }
+
+    /// Forgets the running means, the momentum buffers, the step count (and master copies).
+    pub fn reset(&mut self) {
+        self.state = State::new();
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::tensor::Vector;
+    use crate::tensor::{Tensor, Vector};
 
     /// A quadratic bowl `0.5 * |x - target|^2` as a parameter set.
     struct Bowl<T> {
@@ -397,6 +589,226 @@ mod tests {
         sgd.step(&mut b, &g2);
         let expected = -0.1 * g1.as_slice()[0] - 0.1 * (0.9 * g1.as_slice()[0] + g2.as_slice()[0]);
         assert!((b.x.as_slice()[0] - expected).abs() < 1e-12);
+    }
+
+    /// A layer-like parameter set: two tensors of different shapes, so each gets its own state.
+    struct Pair<T> {
+        weights: Tensor<T, 2, 1, 1, 3>,
+        biases: Vector<T, 4>,
+    }
+
+    type PairGrads<A> = (Tensor<A, 2, 1, 1, 3>, Vector<A, 4>);
+
+    impl<T: Element> Parameters for Pair<T> {
+        type Elem = T;
+        type Grads = PairGrads<T::Acc>;
+        fn visit_mut(
+            &mut self,
+            grads: &Self::Grads,
+            f: &mut dyn FnMut(&str, &mut dyn ParamTensor<T>, &[T::Acc]),
+        ) {
+            f("weights", &mut self.weights, grads.0.as_slice());
+            f("biases", &mut self.biases, grads.1.as_slice());
+        }
+        fn visit(&self, f: &mut dyn FnMut(&str, &[T])) {
+            f("weights", self.weights.as_slice());
+            f("biases", self.biases.as_slice());
+        }
+        fn visit_params_mut(&mut self, f: &mut dyn FnMut(&str, &mut dyn ParamTensor<T>)) {
+            f("weights", &mut self.weights);
+            f("biases", &mut self.biases);
+        }
+    }
+
+    /// Parameter `j`'s starting value, and its gradient at step `s` (parameter 9's is always 0:
+    /// only weight decay moves it).
+    fn start(j: usize) -> f64 {
+        0.25 * j as f64 - 1.1
+    }
+    fn gradient(j: usize, s: usize) -> f64 {
+        if j == 9 {
+            return 0.0;
+        }
+        (1.3 * j as f64 + 0.7 * s as f64).sin() * (0.2 + 0.1 * j as f64)
+    }
+
+    /// `torch.optim.RMSprop`'s update (torch/optim/rmsprop.py), written out in f64, state from
+    /// zero, per parameter:
+    ///
+    /// ```text
+    /// g = grad + weight_decay * p
+    /// v = alpha v + (1 - alpha) g^2
+    /// centered: mean = alpha mean + (1 - alpha) g   (PyTorch's lerp, in exact arithmetic)
+    ///           avg = sqrt(v - mean^2) + eps
+    /// else:     avg = sqrt(v) + eps
+    /// momentum > 0: buf = momentum buf + g / avg;  p = p - lr buf
+    /// else:         p = p - lr g / avg
+    /// ```
+    fn rmsprop_reference(o: &RmsProp<f64>, steps: usize, mut p: Vec<f64>) -> Vec<f64> {
+        let (mut v, mut mean, mut buf) = (vec![0.0; 10], vec![0.0; 10], vec![0.0; 10]);
+        for s in 0..steps {
+            for j in 0..10 {
+                let g = gradient(j, s) + o.weight_decay * p[j];
+                v[j] = o.alpha * v[j] + (1.0 - o.alpha) * g * g;
+                mean[j] = o.alpha * mean[j] + (1.0 - o.alpha) * g;
+                let avg = if o.centered {
+                    (v[j] - mean[j] * mean[j]).sqrt() + o.eps
+                } else {
+                    v[j].sqrt() + o.eps
+                };
+                if o.momentum > 0.0 {
+                    buf[j] = o.momentum * buf[j] + g / avg;
+                    p[j] -= o.lr * buf[j];
+                } else {
+                    p[j] -= o.lr * g / avg;
+                }
+            }
+        }
+        p
+    }
+
+    /// `steps` steps of `optimizer` on a [`Pair`] stored in `T`; the parameters, widened.
+    fn rmsprop_run<T: Element>(mut optimizer: RmsProp<T::Acc>, steps: usize) -> Vec<f64> {
+        let mut pair = Pair {
+            weights: Tensor::<T, 2, 1, 1, 3>::from_fn(|j| T::from_f64(start(j))),
+            biases: Vector::from_fn(|j| T::from_f64(start(6 + j))),
+        };
+        for s in 0..steps {
+            let g = |j| <T::Acc as Element>::from_f64(gradient(j, s));
+            let grads = (Tensor::from_fn(g), Vector::from_fn(|j| g(6 + j)));
+            optimizer.step(&mut pair, &grads);
+        }
+        assert_eq!(optimizer.steps(), steps as u64);
+        let mut values = Vec::new();
+        pair.visit(&mut |_, v| values.extend(v.iter().map(|x| x.to_f64())));
+        values
+    }
+
+    /// Every combination of the options, with both branches of PyTorch's lerp (alpha 0.99 gives
+    /// the new gradient a weight below one half, alpha 0.3 one above), against the reference:
+    /// f64 to rounding, f32 to its precision, f16 and bf16 within half an ulp (the master copy
+    /// keeps the steps in f32, each step's result rounded into the half type on its own;
+    /// stepping from the rounded values instead drifts further, and fails this).
+    #[test]
+    fn rmsprop_matches_the_reference_for_every_option() {
+        let steps = 6;
+        for bits in 0..16 {
+            let mut o = RmsProp::new(0.01);
+            if bits & 1 != 0 {
+                o.momentum = 0.9;
+            }
+            if bits & 2 != 0 {
+                o.weight_decay = 0.05;
+            }
+            if bits & 4 != 0 {
+                (o.alpha, o.eps) = (0.3, 1e-2);
+            }
+            o.centered = bits & 8 != 0;
+            let case = format!(
+                "momentum {} weight_decay {} alpha {} eps {} centered {}",
+                o.momentum, o.weight_decay, o.alpha, o.eps, o.centered
+            );
+            let f32_settings = RmsProp::new(0.01f32)
+                .with_momentum(o.momentum as f32)
+                .with_weight_decay(o.weight_decay as f32)
+                .with_alpha(o.alpha as f32)
+                .with_eps(o.eps as f32)
+                .with_centered(o.centered);
+            let runs: [(&str, Vec<f64>, f64, f64); 4] = [
+                (
+                    "f64",
+                    rmsprop_run::<f64>(o.clone_settings(), steps),
+                    1e-13,
+                    0.0,
+                ),
+                (
+                    "f32",
+                    rmsprop_run::<f32>(f32_settings.clone_settings(), steps),
+                    1e-5,
+                    0.0,
+                ),
+                (
+                    "f16",
+                    rmsprop_run::<half::f16>(f32_settings.clone_settings(), steps),
+                    1e-5,
+                    2f64.powi(-11),
+                ),
+                (
+                    "bf16",
+                    rmsprop_run::<half::bf16>(f32_settings, steps),
+                    1e-5,
+                    2f64.powi(-8),
+                ),
+            ];
+            for (name, got, abs, rel) in runs {
+                // From the starting values as the element type holds them.
+                let round = |x: f64| match name {
+                    "f16" => half::f16::from_f64(x).to_f64(),
+                    "bf16" => half::bf16::from_f64(x).to_f64(),
+                    "f32" => x as f32 as f64,
+                    _ => x,
+                };
+                let expected =
+                    rmsprop_reference(&o, steps, (0..10).map(|j| round(start(j))).collect());
+                for (j, (g, e)) in got.iter().zip(&expected).enumerate() {
+                    assert!(
+                        (g - e).abs() <= abs + rel * e.abs(),
+                        "{name} {case}: parameter {j} is {g}, expected {e}"
+                    );
+                }
+            }
+        }
+    }
+
+    impl<A: Real> RmsProp<A> {
+        /// A fresh optimizer with the same settings.
+        fn clone_settings(&self) -> Self {
+            RmsProp::new(self.lr)
+                .with_alpha(self.alpha)
+                .with_eps(self.eps)
+                .with_weight_decay(self.weight_decay)
+                .with_momentum(self.momentum)
+                .with_centered(self.centered)
+        }
+    }
+
+    /// Three steps PyTorch 2.15 took in float64 (`torch.optim.RMSprop(..., foreach=False)` on
+    /// `[0.5, -1.0, 2.0]` with the gradients below).
+    #[test]
+    fn rmsprop_matches_pytorch() {
+        let grads = [[0.1, -0.2, 0.3], [-0.05, 0.4, 0.3], [0.2, 0.0, -0.1]];
+        let cases = [
+            (
+                RmsProp::new(0.01)
+                    .with_alpha(0.9)
+                    .with_eps(1e-3)
+                    .with_weight_decay(0.1)
+                    .with_momentum(0.5)
+                    .with_centered(true),
+                [0.41403368945931385, -0.9691213292143029, 1.8991699588311857],
+            ),
+            (
+                RmsProp::new(0.01).with_alpha(0.3).with_centered(true),
+                [0.467127073600881, -0.9940198279473529, 1.9488761654543265],
+            ),
+            (
+                RmsProp::new(0.01),
+                [0.3574274567414971, -0.9895323261670684, 1.8522177065554255],
+            ),
+        ];
+        for (mut rmsprop, torch) in cases {
+            let mut b = Bowl {
+                x: Vector::<f64, 3>::from_vec(vec![0.5, -1.0, 2.0]).unwrap(),
+            };
+            for g in grads {
+                rmsprop.step(&mut b, &Vector::from_vec(g.to_vec()).unwrap());
+            }
+            for (x, t) in b.x.as_slice().iter().zip(torch) {
+                assert!((x - t).abs() < 1e-15, "{x} vs PyTorch's {t}");
+            }
+            rmsprop.reset();
+            assert_eq!(rmsprop.steps(), 0);
+        }
     }
 
     #[test]
