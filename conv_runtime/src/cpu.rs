@@ -6,6 +6,7 @@ use std::marker::PhantomData;
 use std::ops::Range;
 
 use crate::element::Real;
+use crate::team::Team;
 use crate::{Error, Result};
 
 /// Whether a forward pass trains (BatchNorm uses and updates batch statistics) or evaluates.
@@ -67,7 +68,7 @@ const PACK_CAPACITY: usize = 32;
 /// The generated CPU code's device: deterministic on any number of threads.
 ///
 /// It owns its threads (`Cpu::default()` has one, the caller's; [`Cpu::with_threads`] adds a
-/// pool), reusable scratch memory and a small cache of weights repacked into the order each
+/// team of its own), reusable scratch memory and a small cache of weights repacked into the order each
 /// kernel reads them, keyed by the weights' content stamp (see [`crate::Tensor`]), so a
 /// parameter change costs one repack and an unchanged layer none.
 ///
@@ -86,6 +87,8 @@ pub struct Cpu {
     clock: u64,
     scratch: Scratch,
     pool: Pool,
+    /// Networks' workspaces, kept between calls (`crate::network::NetworkDevice`).
+    pub(crate) buffers: crate::network::Buffers,
 }
 
 /// Reusable scratch memory, one buffer per scalar type.
@@ -101,12 +104,13 @@ pub struct Scratch {
 /// hand-off of a few microseconds. A call with less than twice this runs on the calling thread.
 pub const MIN_PART_WORK: usize = 1 << 20;
 
-/// The threads of a device: the calling thread and `threads - 1` pool threads.
+/// The threads of a device: the calling thread and a team of `threads - 1` (see
+/// `crate::team`).
 #[doc(hidden)]
 #[derive(Default)]
 pub struct Pool {
     /// `None` for one thread.
-    pool: Option<rayon::ThreadPool>,
+    team: Option<Team>,
     /// The least work per part (0: [`MIN_PART_WORK`]).
     min_work: usize,
 }
@@ -114,9 +118,7 @@ pub struct Pool {
 impl Pool {
     /// Threads that work on a call, the caller's included.
     pub fn threads(&self) -> usize {
-        self.pool
-            .as_ref()
-            .map_or(1, |p| p.current_num_threads() + 1)
+        self.team.as_ref().map_or(1, Team::threads)
     }
 
     /// A pool of `threads` threads in all (the caller's and `threads - 1` of its own).
@@ -128,13 +130,9 @@ impl Pool {
         if threads == 1 {
             return Ok(Self::default());
         }
-        let pool = rayon::ThreadPoolBuilder::new()
-            .num_threads(threads - 1)
-            .thread_name(|i| format!("conv2d-cpu-{i}"))
-            .build()
-            .map_err(|e| Error::new(operation, e.to_string()))?;
+        let team = Team::new(threads - 1).map_err(|e| Error::new(operation, e.to_string()))?;
         Ok(Self {
-            pool: Some(pool),
+            team: Some(team),
             min_work: 0,
         })
     }
@@ -158,13 +156,8 @@ impl Pool {
     pub fn run(&self, parts: usize, work: usize, f: &(dyn Fn(usize, Range<usize>) + Sync)) {
         let workers = self.workers(parts, work);
         let range = |w: usize| w * parts / workers..(w + 1) * parts / workers;
-        match &self.pool {
-            Some(pool) if workers > 1 => pool.in_place_scope(|scope| {
-                for w in 1..workers {
-                    scope.spawn(move |_| f(w, range(w)));
-                }
-                f(0, range(0));
-            }),
+        match &self.team {
+            Some(team) if workers > 1 => team.run(workers, &|w| f(w, range(w))),
             _ => f(0, 0..parts),
         }
     }
@@ -233,6 +226,17 @@ impl<'a, T> Shared<'a, T> {
         // SAFETY: in bounds (checked); disjoint from every other part in use (the caller's
         // contract).
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
+    }
+
+    /// Element `i`, for workers that write disjoint scattered elements.
+    ///
+    /// # Safety
+    /// No other reference to element `i` is in use at the same time.
+    #[allow(clippy::mut_from_ref)]
+    pub unsafe fn at(&self, i: usize) -> &'a mut T {
+        assert!(i < self.len, "element {i} of a slice of {}", self.len);
+        // SAFETY: in bounds (checked); not aliased (the caller's contract).
+        unsafe { &mut *self.ptr.add(i) }
     }
 
     pub fn len(&self) -> usize {
@@ -317,14 +321,15 @@ impl Cpu {
         &self.pool
     }
 
-    /// Packed parameters for `key` (built by `pack` on a miss) and `scratch_len` scratch
-    /// elements (not cleared).
+    /// Packed parameters for `key` (built by `pack` on a miss, on the device's threads; it
+    /// must write every one of the `packed_len` elements, which are left over from an evicted
+    /// copy) and `scratch_len` scratch elements (not cleared).
     #[doc(hidden)]
     pub fn __workspace<A: CpuScalar>(
         &mut self,
         key: PackKey,
         packed_len: usize,
-        pack: impl FnOnce(&mut [A]),
+        pack: impl FnOnce(&Pool, &mut [A]),
         scratch_len: usize,
     ) -> Workspace<'_, A> {
         self.clock += 1;
@@ -351,8 +356,9 @@ impl Cpu {
                     }
                     None => Vec::new(),
                 };
-                data.clear();
-                pack(aligned(&mut data, packed_len));
+                // Not cleared: every packer writes every element of its copy (clearing a large
+                // layer's copy cost as much as a third of its repack).
+                pack(&self.pool, aligned(&mut data, packed_len));
                 let entry = Packed {
                     key,
                     last_use: clock,

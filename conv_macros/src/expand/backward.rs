@@ -25,13 +25,15 @@ use crate::spec::Spec;
 /// gradients (`QC * OC` values) stay in L1 across the position blocks.
 const CHUNK: usize = 64;
 
-/// How the backward pass gets the input gradient, one image at a time: the scratch each worker
-/// needs (`dx`, one image's), and the calls that fill image `n` of `d_input` (with `dz` the
-/// batch's output gradient, `packed` the packed weights and `zero_row` `OC` zeros).
+/// How the backward pass gets the input gradient, a worker's images at a time: the images a
+/// worker's scratch holds at once (`__DX_IMAGES` of them, or as many as it has when `__DX_IMAGES`
+/// is 0), the scratch of one image, and the calls that fill the images `group` of `d_input`
+/// (`d_inputs`, shared) from `dz` (the batch's output gradient), `packed` (the packed weights)
+/// and `zero_row` (`OC` zeros) into the worker's scratch `dx`.
 struct DataPath {
     kernel: TokenStream,
-    dx_len: TokenStream,
-    image: TokenStream,
+    dx_image: TokenStream,
+    group: TokenStream,
 }
 
 pub fn expand(spec: &Spec) -> TokenStream {
@@ -118,22 +120,26 @@ fn data_kernel(spec: &Spec) -> DataPath {
         "data_tiles",
         TokenStream::new(),
         TokenStream::new(),
-        quote!(dz: &[__A], w: &[__A], dx: &mut [__A], zero_row: &[__A]),
-        quote!(dz, w, dx, zero_row),
+        quote!(dz: &[__A], w: &[__A], dx: &mut [__A], zero_row: &[__A], images: ::core::ops::Range<usize>),
+        quote!(dz, w, dx, zero_row, images),
         quote! {
-            ::core::debug_assert!(dz.len() >= __NPIX * __OC && w.len() == __DATA_PACKED_LEN);
-            ::core::debug_assert!(dx.len() == __XH * __XW * __IC + __L && zero_row.len() >= __OC);
+            ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC && w.len() == __DATA_PACKED_LEN);
+            ::core::debug_assert!(dx.len() == images.len() * __XH * __XW * __IC + __L && zero_row.len() >= __OC);
             let (dz, w, dx) = (dz.as_ptr(), w.as_ptr(), dx.as_mut_ptr());
-            let mut q0 = 0;
-            while q0 < __NPIX {
+            // Tiles of `DP` pixels over the images' pixels, in order; `dx` holds the images
+            // from the first on.
+            let (first, end) = (images.start * __NPIX, images.end * __NPIX);
+            let mut q0 = first;
+            while q0 < end {
                 // Pixels past the end of a partial tile read a zero gradient: they add nothing.
                 let dzs: [*const __A; __DP] = ::core::array::from_fn(|p| {
-                    if q0 + p < __NPIX { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
+                    if q0 + p < end { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
                 });
                 let bases: [*mut __A; __DP] = ::core::array::from_fn(|p| {
-                    let q = if q0 + p < __NPIX { q0 + p } else { __NPIX - 1 };
-                    let (oh, ow) = (q / __OW, q % __OW);
-                    dx.add((oh * __SH * __XW + ow * __SW) * __IC)
+                    let q = if q0 + p < end { q0 + p } else { end - 1 };
+                    let (n, r) = (q / __NPIX - images.start, q % __NPIX);
+                    let (oh, ow) = (r / __OW, r % __OW);
+                    dx.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
                 });
                 for kh in 0..__KH {
                     let rows: [*mut __A; __DP] = ::core::array::from_fn(|p| bases[p].add(kh * __XW * __IC));
@@ -151,38 +157,59 @@ fn data_kernel(spec: &Spec) -> DataPath {
     } else {
         quote!(dst.copy_from_slice(src))
     };
-    let image = quote! {
+    // Where windows overlap, an input gradient sums several pixels' contributions, in the order
+    // the tiles reach them: tiles then stay inside one image, so that the order does not depend
+    // on which images a worker has. Where they do not, tiles run across a worker's images.
+    let overlap = spec.kernel[0] > spec.stride[0] || spec.kernel[1] > spec.stride[1];
+    let group = quote! {
+        let dx = &mut dx[..group.len() * __XH * __XW * __IC + __L];
         dx.fill(0.0);
         // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-        unsafe { __data_tiles(&dz[n * __NPIX * __OC..], packed, dx, zero_row) };
-        for h in 0..__IH {
-            let src = &dx[((h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
-            let dst = &mut d_input[h * __IW * __IC..][..__IW * __IC];
-            #store;
+        unsafe { __data_tiles(dz, packed, dx, zero_row, group.clone()) };
+        for n in group.clone() {
+            // SAFETY: the worker's own images.
+            let d_input = unsafe { d_inputs.part(n * __IH * __IW * __IC, __IH * __IW * __IC) };
+            let image = &dx[(n - group.start) * __XH * __XW * __IC..];
+            for h in 0..__IH {
+                let src = &image[((h + __PH) * __XW + __PW) * __IC..][..__IW * __IC];
+                let dst = &mut d_input[h * __IW * __IC..][..__IW * __IC];
+                #store;
+            }
         }
     };
+    let images_at_once = lit(usize::from(overlap));
     let kernel = quote! {
+        /// Images a worker's input-gradient scratch holds at once (0: all of its images).
+        const __DX_IMAGES: usize = #images_at_once;
         const __SEGP: usize = #segp;
         const __DP: usize = #dp;
         const __DATA_PACKED_LEN: usize = #packed_len;
         const __DATA_LAYOUT: u64 = #layout;
 
-        /// OHWI weights -> `[kh][block][oc][lanes of the (kw, ic) segment]`, zero-padded.
-        /// Runs once per parameter change: a plain loop nest.
-        fn __pack_data(w: &[__T], out: &mut [__A]) {
+        /// OHWI weights -> `[kh][block][oc][lanes of the (kw, ic) segment]`, zero-padded, the
+        /// `(kh, block)` pairs dealt to the workers (each a contiguous run of the copy, read and
+        /// written in order). Runs once per parameter change.
+        fn __pack_data(pool: &#rt::Pool, w: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            for kh in 0..__KH {
-                for oc in 0..__OC {
-                    for s in 0..__SEG {
-                        // The block holding `s`: full blocks are `BLOCK` wide, the last one
-                        // may be less.
-                        let first = s / #block * #block;
-                        let width = if __SEGP - first < #block { __SEGP - first } else { #block };
-                        out[kh * __OC * __SEGP + __OC * first + oc * width + (s - first)] =
-                            w[(oc * __KH + kh) * __SEG + s].to_acc();
+            const __BLOCKS: usize = __SEGP.div_ceil(#block);
+            let shared = #rt::Shared::new(out);
+            pool.split(__KH * __BLOCKS, __OC * #block * 2, &|pairs| {
+                for pair in pairs {
+                    let (kh, first) = (pair / __BLOCKS, pair % __BLOCKS * #block);
+                    // Full blocks are `BLOCK` wide, the last one may be less.
+                    let width = if __SEGP - first < #block { __SEGP - first } else { #block };
+                    let real = if __SEG - first < width { __SEG - first } else { width };
+                    // SAFETY: the pair's run is this worker's alone.
+                    let dst = unsafe { shared.part(kh * __OC * __SEGP + __OC * first, __OC * width) };
+                    for (oc, row) in dst.chunks_exact_mut(width).enumerate() {
+                        let src = &w[(oc * __KH + kh) * __SEG + first..][..real];
+                        for (d, s) in row.iter_mut().zip(src) {
+                            *d = s.to_acc();
+                        }
+                        row[real..].fill(0.0);
                     }
                 }
-            }
+            });
         }
 
         #kernel
@@ -190,9 +217,9 @@ fn data_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        // One padded image, and `L` elements of slack past it for whole-vector stores.
-        dx_len: quote!(__XH * __XW * __IC + __L),
-        image,
+        // One padded image (and `L` elements of slack past the last for whole-vector stores).
+        dx_image: quote!(__XH * __XW * __IC),
+        group,
     }
 }
 
@@ -313,20 +340,29 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     let layout = layout_id(spec, 5);
     let kernel = quote! {
         #consts
+        /// Images a worker's scratch holds at once: one `dz` padded at a time.
+        const __DX_IMAGES: usize = 1;
         const __DATA_PACKED_LEN: usize = __KH * __KW * __IC * __GOCP;
         const __DATA_LAYOUT: u64 = #layout;
 
-        /// OHWI weights -> `[kh][kw][ic][oc padded to GOCP]`. Once per parameter change.
-        fn __pack_data(w: &[__T], out: &mut [__A]) {
+        /// OHWI weights -> `[kh][kw][ic][oc padded to GOCP]`, the window positions dealt to
+        /// the workers. Once per parameter change.
+        fn __pack_data(pool: &#rt::Pool, w: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            out.fill(0.0);
-            for k in 0..__OC {
-                for r in 0..__KH * __KW {
+            let shared = #rt::Shared::new(out);
+            pool.split(__KH * __KW, __IC * __GOCP * 2, &|taps| {
+                let (first, len) = (taps.start * __IC * __GOCP, taps.len() * __IC * __GOCP);
+                // SAFETY: the rows of the worker's window positions.
+                let rows = unsafe { shared.part(first, len) };
+                rows.fill(0.0);
+                for r in taps {
                     for c in 0..__IC {
-                        out[(r * __IC + c) * __GOCP + k] = w[(k * __KH * __KW + r) * __IC + c].to_acc();
+                        for k in 0..__OC {
+                            rows[(r * __IC + c) * __GOCP + k - first] = w[(k * __KH * __KW + r) * __IC + c].to_acc();
+                        }
                     }
                 }
-            }
+            });
         }
 
         /// One image's `dz` into the zero-bordered, channel-padded `zp`, every element written.
@@ -354,12 +390,18 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     };
     DataPath {
         kernel,
-        dx_len: quote!(__ZH * __ZW * __GOCP),
-        image: quote! {
+        dx_image: quote!(__ZH * __ZW * __GOCP),
+        group: quote! {
             let _ = zero_row;
-            __pad_gradient(&dz[n * __NPIX * __OC..][..__NPIX * __OC], dx);
-            // SAFETY: the slices have the lengths the kernel is built on (checked in debug).
-            unsafe { __gather_tiles(dx, packed, d_input) };
+            for n in group {
+                __pad_gradient(&dz[n * __NPIX * __OC..][..__NPIX * __OC], dx);
+                // SAFETY: the worker's own image; the slices have the lengths the kernel is
+                // built on (checked in debug).
+                unsafe {
+                    let d_input = d_inputs.part(n * __IH * __IW * __IC, __IH * __IW * __IC);
+                    __gather_tiles(&dx[..__ZH * __ZW * __GOCP], packed, d_input);
+                }
+            }
         },
     }
 }
@@ -371,14 +413,15 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let calls = blk.calls("weight_tile", false, |tile, first| {
         quote! {
             let dsts: [*mut __A; __P] = ::core::array::from_fn(|i| rows[i].add(#first));
-            #tile::<__S>(x, &xoff[..count], &offs, dz.add(q0 * __OC + #first), &dsts);
+            #tile::<__S>(x, &xoff[..count], &offs, dz.add(q0 * __OC + #first), &dsts, q0 == 0);
         }
     });
     let tiles = blk.kinds().into_iter().map(|(nv, last)| {
         let name = format_ident!("__weight_tile_{}_{}", nv, last);
+        // The first chunk starts from zero instead of cleared rows.
         let init = init_accumulators(blk.p, nv, |i, v| {
             let (i, off) = (lit(i), lit(v * l));
-            quote!(__S::load(dsts[#i].add(#off)))
+            quote!(if fresh { __S::zero() } else { __S::load(dsts[#i].add(#off)) })
         });
         let step = fma_step(
             blk.p,
@@ -399,11 +442,12 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
             quote!(#acc.store(dsts[#i].add(#off));)
         });
         quote! {
-            /// Adds `x[pixel + offs[i]] * dz[pixel]` over the chunk's pixels into `P` rows.
+            /// Adds `x[pixel + offs[i]] * dz[pixel]` over the chunk's pixels into `P` rows (writes
+            /// them when `fresh`).
             #[inline(always)]
             unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
                 x: *const __A, xoff: &[usize], offs: &[usize; __P], dz: *const __A,
-                dsts: &[*mut __A; __P],
+                dsts: &[*mut __A; __P], fresh: bool,
             ) {
                 #init
                 for (k, &o) in xoff.iter().enumerate() {
@@ -483,7 +527,9 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     } else {
         quote!(let xa: &[__A] = x;)
     };
-    let DataPath { dx_len, image, .. } = path;
+    let DataPath {
+        dx_image, group, ..
+    } = path;
     let bias = bias_gradient();
     pass_fn(
         spec,
@@ -496,18 +542,20 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
                 (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
             };
             let work = __BATCH * __NPIX * __WINDOW * __OCP;
-            // One image's input gradient per worker.
+            // The input gradient's scratch per worker: `__DX_IMAGES` images, or all of its own.
             let workers = cpu.__pool().workers(__BATCH, work);
-            let dx_len = if data { workers * (#dx_len) } else { 0 };
+            let images = if __DX_IMAGES == 0 { __BATCH.div_ceil(workers) } else { __DX_IMAGES };
+            let dx_per_worker = images * (#dx_image) + __L;
+            let dx_len = if data { workers * dx_per_worker } else { 0 };
             let dw_len = if weights { (__WINDOW + 1) * __OCP } else { 0 };
             let x_len = if weights && __STAGED { __BATCH * __XH * __XW * __IC } else { 0 };
             let lens = (__BATCH * __NPIX * __OC + __L) + __OC + dx_len + dw_len + x_len;
             let #rt::Workspace { packed, scratch, pool } = cpu.__workspace::<__A>(
                 key,
                 packed_len,
-                |out| {
+                |pool, out| {
                     if data {
-                        __pack_data(layer.weights.as_slice(), out)
+                        __pack_data(pool, layer.weights.as_slice(), out)
                     }
                 },
                 lens,
@@ -528,32 +576,43 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
                 #bias
                 let dw = #rt::Shared::new(dw);
                 pool.run(__WBLOCKS, work, &|_, blocks| {
-                    let rows = blocks.start * __P..if blocks.end * __P < __WINDOW { blocks.end * __P } else { __WINDOW + 1 };
-                    // SAFETY: the worker's own rows (cleared here: scratch is not), the slices
-                    // have the lengths the kernel is built on (checked in debug).
-                    unsafe {
-                        dw.part(rows.start * __OCP, rows.len() * __OCP).fill(0.0);
-                        __weight_tiles(xa, dz, dw, blocks);
-                    }
+                    // SAFETY: the worker's own rows (written by the first chunk: scratch is not
+                    // cleared), the slices have the lengths the kernel is built on (checked in
+                    // debug).
+                    unsafe { __weight_tiles(xa, dz, dw, blocks) };
                 });
                 // SAFETY: the workers are done.
-                let dw = unsafe { dw.part(0, dw.len()) };
-                let gw = g.weights.as_mut_slice();
-                for r in 0..__WINDOW {
-                    for c in 0..__OC {
-                        gw[c * __WINDOW + r] += dw[r * __OCP + c];
+                let dw: &[__A] = unsafe { dw.part(0, dw.len()) };
+                // `dw` is `[window][OCP]`, the gradient `[OC][window]`: transposed in blocks of
+                // 16 window positions (whose `dw` rows stay in L1), the channels dealt to the
+                // workers.
+                let gw = #rt::Shared::new(g.weights.as_mut_slice());
+                pool.split(__OC, __WINDOW * 2, &|channels| {
+                    for r0 in (0..__WINDOW).step_by(16) {
+                        let n = if __WINDOW - r0 < 16 { __WINDOW - r0 } else { 16 };
+                        for c in channels.clone() {
+                            // SAFETY: channel `c`'s row is this worker's alone.
+                            let row = unsafe { gw.part(c * __WINDOW + r0, n) };
+                            for (i, v) in row.iter_mut().enumerate() {
+                                *v += dw[(r0 + i) * __OCP + c];
+                            }
+                        }
                     }
-                }
+                });
             }
 
             if let ::core::option::Option::Some(d_input) = d_input {
                 let (d_inputs, dxs) = (#rt::Shared::new(d_input), #rt::Shared::new(dxs));
-                pool.run(__BATCH, work, &|worker, images| {
-                    // SAFETY: the worker's own scratch image and input images.
-                    let dx = unsafe { dxs.part(worker * (#dx_len), #dx_len) };
-                    for n in images {
-                        let d_input = unsafe { d_inputs.part(n * __IH * __IW * __IC, __IH * __IW * __IC) };
-                        #image
+                pool.run(__BATCH, work, &|worker, mine| {
+                    // SAFETY: the worker's own scratch.
+                    let dx = unsafe { dxs.part(worker * dx_per_worker, dx_per_worker) };
+                    let mut start = mine.start;
+                    while start < mine.end {
+                        let step = if __DX_IMAGES == 0 { mine.len() } else { __DX_IMAGES };
+                        let end = if start + step < mine.end { start + step } else { mine.end };
+                        let group = start..end;
+                        #group
+                        start = end;
                     }
                 });
             }

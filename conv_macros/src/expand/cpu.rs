@@ -17,7 +17,7 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
-use super::{acc, backward, elem, lit, norm, onednn, rt, usize_consts, winograd};
+use super::{acc, backward, dense, elem, lit, norm, onednn, rt, usize_consts, winograd};
 use crate::spec::{Activation, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
@@ -62,6 +62,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
             TokenStream::new(),
             winograd::backward(spec, plan),
         )
+    } else if dense::applies(spec) {
+        (dense::expand(spec), TokenStream::new(), TokenStream::new())
     } else {
         (
             forward_kernel(spec, &blk),
@@ -235,7 +237,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             let ws = cpu.__workspace::<__A>(
                 key,
                 __PACKED_LEN,
-                |out| __pack(layer.weights.as_slice(), layer.biases.as_slice(), out),
+                |pool, out| __pack(pool, layer.weights.as_slice(), layer.biases.as_slice(), out),
                 #staged_len + parts * __P * __OC + y_scratch,
             );
             let (w, pool) = (ws.packed, ws.pool);
@@ -260,22 +262,34 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
 
         #kernel
 
-        /// OHWI weights -> `[block][kh][kw][ic][lanes]`, zero-padded, then the biases.
-        /// Runs once per parameter change: a plain loop nest (unrolling it would only grow the
-        /// code).
-        fn __pack(w: &[__T], b: &[__T], out: &mut [__A]) {
+        /// OHWI weights -> `[block][kh][kw][ic][lanes]`, zero-padded, then the biases, the
+        /// blocks dealt to the workers (each a contiguous run written in order, from `width`
+        /// rows of the weights read in order). Runs once per parameter change.
+        fn __pack(pool: &#rt::Pool, w: &[__T], b: &[__T], out: &mut [__A]) {
             use #rt::Element as _;
-            for oc in 0..__OC {
-                // The block holding `oc`: full blocks are `BLOCK` wide, the last one may be less.
-                let first = oc / #block * #block;
-                let width = if __OCP - first < #block { __OCP - first } else { #block };
-                for k in 0..__WINDOW {
-                    out[__WINDOW * first + k * width + (oc - first)] = w[oc * __WINDOW + k].to_acc();
+            const __BLOCKS: usize = __OCP.div_ceil(#block);
+            let biases = &mut out[__BIAS_OFFSET..];
+            for (o, b) in biases.iter_mut().zip(b) {
+                *o = b.to_acc();
+            }
+            biases[__OC..].fill(0.0);
+            let shared = #rt::Shared::new(&mut out[..__BIAS_OFFSET]);
+            pool.split(__BLOCKS, __WINDOW * #block * 2, &|blocks| {
+                for block in blocks {
+                    // Full blocks are `BLOCK` wide, the last one may be less.
+                    let first = block * #block;
+                    let width = if __OCP - first < #block { __OCP - first } else { #block };
+                    let real = if __OC - first < width { __OC - first } else { width };
+                    // SAFETY: the block's run is this worker's alone.
+                    let dst = unsafe { shared.part(__WINDOW * first, __WINDOW * width) };
+                    for (k, row) in dst.chunks_exact_mut(width).enumerate() {
+                        for (lane, d) in row[..real].iter_mut().enumerate() {
+                            *d = w[(first + lane) * __WINDOW + k].to_acc();
+                        }
+                        row[real..].fill(0.0);
+                    }
                 }
-            }
-            for c in 0..__OC {
-                out[__BIAS_OFFSET + c] = b[c].to_acc();
-            }
+            });
         }
 
         #(#tiles)*

@@ -246,18 +246,15 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         "pack_wino",
         TokenStream::new(),
         TokenStream::new(),
-        quote!(w: &[__T], b: &[__T], out: &mut [__A]),
-        quote!(w, b, out),
+        quote!(w: &[__T], out: #rt::Shared<'_, __A>, channels: ::core::ops::Range<usize>),
+        quote!(w, out, channels),
         quote! {
-            use #rt::Element as _;
-            __wino_weights(w, true, |e, k, c, values| {
+            __wino_weights(w, true, channels, |e, k, c, values| {
                 let first = k / #oc_block * #oc_block;
                 let width = if __OC - first < #oc_block { __OC - first } else { #oc_block };
-                out[e * __WIC * __OC + __WIC * first + c * width + (k - first)..][..__L].copy_from_slice(values);
+                // The rows of staged channel `c` are this worker's alone.
+                out.part(e * __WIC * __OC + __WIC * first + c * width + (k - first), __L).copy_from_slice(values);
             });
-            for k in 0..__OC {
-                out[__U_LEN + k] = b[k].to_acc();
-            }
         },
     );
     let kernel = dispatched(
@@ -418,7 +415,17 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                 key,
                 __U_LEN + __OC,
                 // SAFETY: the packer indexes slices, checked.
-                |out| unsafe { __pack_wino(layer.weights.as_slice(), layer.biases.as_slice(), out) },
+                |pool, out| {
+                    use #rt::Element as _;
+                    for (o, b) in out[__U_LEN..].iter_mut().zip(layer.biases.as_slice()) {
+                        *o = b.to_acc();
+                    }
+                    let out = #rt::Shared::new(out);
+                    pool.split(__WIC, __OC * __ELEMS * 16, &|channels| {
+                        // SAFETY: the packer writes the rows of its channels only.
+                        unsafe { __pack_wino(layer.weights.as_slice(), out, channels) }
+                    });
+                },
                 parts * __SCRATCH + y_scratch,
             );
             let (packed, pool) = (ws.packed, ws.pool);
@@ -459,12 +466,17 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// element planes 16 KiB apart ran 8x slower. Inlined into the packers' AVX2
         /// instantiations, where the portable vectors compile to whole registers.
         #[inline(always)]
-        fn __wino_weights(w: &[__T], k_inner: bool, mut put: impl ::core::ops::FnMut(usize, usize, usize, &[__A; __L])) {
+        fn __wino_weights(
+            w: &[__T],
+            k_inner: bool,
+            outers: ::core::ops::Range<usize>,
+            mut put: impl ::core::ops::FnMut(usize, usize, usize, &[__A; __L]),
+        ) {
             use #rt::{Element as _, Simd as _};
             type __Lanes = #rt::simd::Lanes<__A, { __L }>;
             const __MAX: usize = #rt::winograd::MAX;
             let pair = |outer: usize, inner: usize| if k_inner { (inner, outer) } else { (outer, inner) };
-            for outer in 0..if k_inner { __WIC } else { __OC } {
+            for outer in outers {
                 for inner in (0..if k_inner { __OC } else { __WIC }).step_by(__L) {
                     // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
                     // elements.
@@ -651,9 +663,10 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
     for &p in &ps {
         for (nv, last) in blk.kinds() {
             let name = format_ident!("__wgrad{}_{}_{}", p, nv, last);
+            // The first chunk of a part starts from zero instead of a cleared `dU`.
             let init = init_accumulators(p, nv, |i, v| {
                 let off = lit(i * spec.out_channels + v * l);
-                quote!(__S::load(dst.add(#off)))
+                quote!(if fresh { __S::zero() } else { __S::load(dst.add(#off)) })
             });
             let step = fma_step(
                 p,
@@ -674,7 +687,7 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
             tiles.push(quote! {
                 #[inline(always)]
                 unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
-                    v: *const __A, n: *const __A, count: usize, dst: *mut __A,
+                    v: *const __A, n: *const __A, count: usize, dst: *mut __A, fresh: bool,
                 ) {
                     #init
                     for t in 0..count {
@@ -696,21 +709,21 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
         let rem_call = (rem > 0).then(|| {
             let tile = format_ident!("__wgrad{}_{}_{}", rem, b.nv, b.last_lanes);
             let c0 = lit(ic - rem);
-            quote!(#tile::<__S>(ve.add(#c0), ne.add(#first), count, de.add(#c0 * __OC + #first));)
+            quote!(#tile::<__S>(ve.add(#c0), ne.add(#first), count, de.add(#c0 * __OC + #first), fresh);)
         });
         quote! {
             for ct in 0..#full {
                 let c0 = ct * #pl;
-                #tile::<__S>(ve.add(c0), ne.add(#first), count, de.add(c0 * __OC + #first));
+                #tile::<__S>(ve.add(c0), ne.add(#first), count, de.add(c0 * __OC + #first), fresh);
             }
             #rem_call
         }
     });
     let driver = quote! {
-        /// `dU[e] += V[e]^T . N[e]` over the chunk's `count` tiles.
+        /// `dU[e] += V[e]^T . N[e]` over the chunk's `count` tiles (`dU[e] =` when `fresh`).
         #[inline(always)]
         unsafe fn __wino_weight_product<__S: #rt::Simd<Elem = __A>>(
-            v: *const __A, n: *const __A, du: *mut __A, count: usize,
+            v: *const __A, n: *const __A, du: *mut __A, count: usize, fresh: bool,
         ) {
             for e in 0..__ELEMS {
                 let (ve, ne, de) = (v.add(e * __WCT * __WIC), n.add(e * __WCT * __OC), du.add(e * __WIC * __OC));
@@ -738,13 +751,14 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         "pack_wino_data",
         TokenStream::new(),
         TokenStream::new(),
-        quote!(w: &[__T], out: &mut [__A]),
-        quote!(w, out),
+        quote!(w: &[__T], out: #rt::Shared<'_, __A>, channels: ::core::ops::Range<usize>),
+        quote!(w, out, channels),
         quote! {
-            __wino_weights(w, false, |e, k, c, values| {
+            __wino_weights(w, false, channels, |e, k, c, values| {
                 let first = c / #ic_block * #ic_block;
                 let width = if __WIC - first < #ic_block { __WIC - first } else { #ic_block };
-                out[e * __WIC * __OC + __OC * first + k * width + (c - first)..][..__L].copy_from_slice(values);
+                // The rows of output channel `k` are this worker's alone.
+                out.part(e * __WIC * __OC + __OC * first + k * width + (c - first), __L).copy_from_slice(values);
             });
         },
     );
@@ -836,7 +850,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     }
                 }
                 if weights {
-                    __wino_weight_product::<__S>(vp, np, dup, count);
+                    __wino_weight_product::<__S>(vp, np, dup, count, r0 == images.start * __WTH);
                 }
                 if data {
                     // `dV` reuses `V`'s buffer.
@@ -924,10 +938,13 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             let #rt::Workspace { packed, scratch, pool } = cpu.__workspace::<__A>(
                 key,
                 if data { __U_LEN } else { 0 },
-                |out| {
+                |pool, out| {
                     if data {
-                        // SAFETY: the packer indexes slices, checked.
-                        unsafe { __pack_wino_data(layer.weights.as_slice(), out) }
+                        let out = #rt::Shared::new(out);
+                        pool.split(__OC, __WIC * __ELEMS * 16, &|channels| {
+                            // SAFETY: the packer writes the rows of its channels only.
+                            unsafe { __pack_wino_data(layer.weights.as_slice(), out, channels) }
+                        });
                     }
                 },
                 dz_len + workers * __WORKER + du_len,
@@ -966,11 +983,10 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         let xs: &mut [__A] = if weights { xs } else { &mut [] };
                         let dx: &mut [__A] = if data { dx } else { &mut [] };
                         for p in parts {
+                            // Written by the part's first chunk, then accumulated (scratch is not
+                            // cleared by the device; the staged input gradient is stored where no
+                            // tile reached it before).
                             let du: &mut [__A] = if weights { dus.part(p * __U_LEN, __U_LEN) } else { &mut [] };
-                            // Scratch is not cleared by the device: zero what is accumulated
-                            // into (the staged input gradient is stored where no tile reached
-                            // it before).
-                            du.fill(0.0);
                             let source = if __FUSED {
                                 __DzSource {
                                     d_output,
@@ -1015,33 +1031,36 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 } else {
                     #bias
                 }
-                // `G^T dU G`, one vector of output channels at a time.
+                // `G^T dU G`, one vector of output channels at a time, the staged channels
+                // dealt to the workers (each writes the taps of its own channels).
                 use #rt::Simd as _;
                 type __Lanes = #rt::simd::Lanes<__A, { __L }>;
                 const __MAX: usize = #rt::winograd::MAX;
-                let gw = g.weights.as_mut_slice();
-                for c in 0..__WIC {
-                    for k in (0..__OC).step_by(__L) {
-                        // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
-                        // elements.
-                        unsafe {
-                            let mut dt = [[__Lanes::zero(); __MAX]; __MAX];
-                            for e in 0..__ELEMS {
-                                dt[e / __WN][e % __WN] = __Lanes::load(du[e * __WIC * __OC + c * __OC + k..][..__L].as_ptr());
-                            }
-                            let dg = #rt::winograd::weight_gradient::<__WV, __Lanes>(dt);
-                            for a in 0..__WR {
-                                for b in 0..__WR {
-                                    let mut values = [0.0; __L];
-                                    dg[a][b].store(values.as_mut_ptr());
-                                    for (i, value) in values.into_iter().enumerate() {
-                                        gw[(k + i) * __WINDOW + __wino_tap(a, b, c)] += value;
+                let gw = #rt::Shared::new(g.weights.as_mut_slice());
+                pool.split(__WIC, __OC * __ELEMS * 16, &|channels| {
+                    for c in channels {
+                        for k in (0..__OC).step_by(__L) {
+                            // SAFETY: portable vectors need no CPU feature; every pointer is to
+                            // `L` elements; the taps of channel `c` are this worker's alone.
+                            unsafe {
+                                let mut dt = [[__Lanes::zero(); __MAX]; __MAX];
+                                for e in 0..__ELEMS {
+                                    dt[e / __WN][e % __WN] = __Lanes::load(du[e * __WIC * __OC + c * __OC + k..][..__L].as_ptr());
+                                }
+                                let dg = #rt::winograd::weight_gradient::<__WV, __Lanes>(dt);
+                                for a in 0..__WR {
+                                    for b in 0..__WR {
+                                        let mut values = [0.0; __L];
+                                        dg[a][b].store(values.as_mut_ptr());
+                                        for (i, value) in values.into_iter().enumerate() {
+                                            *gw.at((k + i) * __WINDOW + __wino_tap(a, b, c)) += value;
+                                        }
                                     }
                                 }
                             }
                         }
                     }
-                }
+                });
             }
         },
     );
