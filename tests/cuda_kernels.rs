@@ -172,13 +172,14 @@ fn nvrtc_is_cuda_13() {
 }
 
 /// The optimizers' kernels (`conv_runtime/src/cuda/optim.cu`, shared by every layer) compile and
-/// define exactly the list the host launches from, one SGD and one Adam kernel per element type.
+/// define exactly the list the host launches from, one SGD, one Adam and one RMSprop kernel per
+/// element type.
 #[test]
 fn optimizer_kernels_compile() {
     use conv_runtime::cuda::{OPTIMIZER_KERNELS, OPTIMIZER_SOURCE};
     check(OPTIMIZER_SOURCE, OPTIMIZER_KERNELS, false, false);
     for element in ["f64", "f32", "f16", "bf16"] {
-        for optimizer in ["sgd", "adam"] {
+        for optimizer in ["sgd", "adam", "rmsprop"] {
             let name = format!("{optimizer}_{element}");
             assert!(OPTIMIZER_KERNELS.contains(&name.as_str()), "{name}");
         }

@@ -405,6 +405,8 @@ pub struct RmsProp<A: Real> {
     /// Normalizes by the running variance of the gradient instead of its mean square.
     pub centered: bool,
     state: State<A>,
+    #[cfg(feature = "cuda")]
+    device: crate::cuda::optim::DeviceState,
 }
 
 impl<A: Real> RmsProp<A> {
@@ -419,6 +421,8 @@ impl<A: Real> RmsProp<A> {
             momentum: A::zero(),
             centered: false,
             state: State::new(),
+            #[cfg(feature = "cuda")]
+            device: Default::default(),
         }
     }
 
@@ -477,6 +481,14 @@ impl<A: Real> RmsProp<A> {
         // PyTorch keeps a momentum buffer only for momentum > 0 (a negative one is rejected
         // there, skipped here).
         let with_momentum = momentum > A::zero();
+        let k = RmsPropStep {
+            lr,
+            alpha,
+            eps,
+            wd,
+            momentum,
+            weight,
+        };
         self.state.apply(params, grads, |slot, grad, values| {
             let n = values.len();
             if slot.v.len() != n {
@@ -485,38 +497,59 @@ impl<A: Real> RmsProp<A> {
             if centered && slot.mean.len() != n {
                 slot.mean = vec![A::zero(); n];
             }
-            for i in 0..n {
-                let g = grad[i] + wd * values[i];
-                let v = alpha * slot.v[i] + weight * g * g;
-                slot.v[i] = v;
-                let root = if centered {
-                    let mean = slot.mean[i];
-                    // at::native::lerp, with its branch for numerical accuracy.
-                    let mean = if small_weight {
-                        mean + weight * (g - mean)
-                    } else {
-                        g - (g - mean) * (A::ONE - weight)
-                    };
-                    slot.mean[i] = mean;
-                    (v - mean * mean).sqrt()
-                } else {
-                    v.sqrt()
-                };
-                let avg = root + eps;
-                if with_momentum {
-                    let buf = momentum * slot.m[i] + g / avg;
-                    slot.m[i] = buf;
-                    values[i] -= lr * buf;
-                } else {
-                    values[i] -= lr * (g / avg);
-                }
+            let slices = RmsPropSlices {
+                values,
+                grad: &grad[..n],
+                v: &mut slot.v[..n],
+                mean: &mut slot.mean,
+                m: &mut slot.m[..n],
+            };
+            // The options fixed for the loop, so that it vectorizes (AVX2 where the CPU has it).
+            match (centered, with_momentum, small_weight) {
+                (false, false, _) => rmsprop_update::<A, false, false, false>(slices, &k),
+                (false, true, _) => rmsprop_update::<A, false, true, false>(slices, &k),
+                (true, false, false) => rmsprop_update::<A, true, false, false>(slices, &k),
+                (true, false, true) => rmsprop_update::<A, true, false, true>(slices, &k),
+                (true, true, false) => rmsprop_update::<A, true, true, false>(slices, &k),
+                (true, true, true) => rmsprop_update::<A, true, true, true>(slices, &k),
             }
         });
+    }
+
+    /// One step on parameters that live on the GPU, with the same arithmetic as
+    /// [`RmsProp::step`] (bit for bit); its state stays on the GPU. An optimizer steps one
+    /// parameter set, on the CPU or on one GPU. After an error some tensors may have been
+    /// stepped and others not: reset the optimizer (and restore the parameters) before going on.
+    #[cfg(feature = "cuda")]
+    pub fn step_cuda<P: crate::cuda::CudaParameters>(
+        &mut self,
+        dev: &mut crate::cuda::Cuda,
+        params: &mut P,
+        grads: &P::Grads,
+    ) -> crate::Result<()>
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        let update = crate::cuda::optim::Update::RmsProp {
+            lr: self.lr.to_f64(),
+            alpha: self.alpha.to_f64(),
+            eps: self.eps.to_f64(),
+            weight_decay: self.weight_decay.to_f64(),
+            momentum: self.momentum.to_f64(),
+            centered: self.centered,
+        };
+        self.device.apply(dev, params, grads, &update)?;
+        self.state.step += 1;
+        Ok(())
     }
 
     /// Forgets the running means, the momentum buffers, the step count (and master copies).
     pub fn reset(&mut self) {
         self.state = State::new();
+        #[cfg(feature = "cuda")]
+        {
+            self.device = Default::default();
+        }
     }
 }
 
@@ -825,4 +858,85 @@ mod tests {
         }
         assert!((b.x.as_slice()[0].to_f32() - 0.9).abs() < 0.01);
     }
+}
+
+/// The scalars of one RMSprop step.
+struct RmsPropStep<A> {
+    lr: A,
+    alpha: A,
+    eps: A,
+    wd: A,
+    momentum: A,
+    /// `1 - alpha`.
+    weight: A,
+}
+
+/// One parameter tensor's slices of an RMSprop step (`mean` is empty unless centered).
+struct RmsPropSlices<'a, A> {
+    values: &'a mut [A],
+    grad: &'a [A],
+    v: &'a mut [A],
+    mean: &'a mut [A],
+    m: &'a mut [A],
+}
+
+/// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants: `CENTERED`,
+/// `MOMENTUM` (a momentum buffer), `SMALL` (`at::native::lerp`'s branch for a weight below 0.5).
+/// Dispatched to an AVX2 instantiation where the CPU has it: each element's arithmetic is the
+/// same, operation for operation, in either (no FMA contraction), so steps stay bit-identical
+/// to the GPU's.
+fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+    s: RmsPropSlices<'_, A>,
+    k: &RmsPropStep<A>,
+) {
+    #[inline(always)]
+    fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+        s: RmsPropSlices<'_, A>,
+        k: &RmsPropStep<A>,
+    ) {
+        let n = s.values.len();
+        let (values, grad, v, m) = (&mut s.values[..n], &s.grad[..n], &mut s.v[..n], &mut s.m[..n]);
+        let mean: &mut [A] = if CENTERED { &mut s.mean[..n] } else { &mut [] };
+        for i in 0..n {
+            let g = grad[i] + k.wd * values[i];
+            let vi = k.alpha * v[i] + k.weight * g * g;
+            v[i] = vi;
+            let root = if CENTERED {
+                let mi = mean[i];
+                // at::native::lerp, with its branch for numerical accuracy.
+                let mi = if SMALL {
+                    mi + k.weight * (g - mi)
+                } else {
+                    g - (g - mi) * (A::ONE - k.weight)
+                };
+                mean[i] = mi;
+                (vi - mi * mi).sqrt()
+            } else {
+                vi.sqrt()
+            };
+            let avg = root + k.eps;
+            if MOMENTUM {
+                let buf = k.momentum * m[i] + g / avg;
+                m[i] = buf;
+                values[i] -= k.lr * buf;
+            } else {
+                values[i] -= k.lr * (g / avg);
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn run_avx2<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+            s: RmsPropSlices<'_, A>,
+            k: &RmsPropStep<A>,
+        ) {
+            run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { run_avx2::<A, CENTERED, MOMENTUM, SMALL>(s, k) };
+        }
+    }
+    run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
 }

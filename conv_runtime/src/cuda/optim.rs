@@ -9,9 +9,10 @@ use super::memory::{Buf, CudaParamTensor};
 use super::{Arg, Cuda, DeviceElement, LayerSetup};
 use crate::{Element, Error, Result};
 
-/// The optimizer kernels' source (compiled by NVRTC on first use, like a layer's).
+/// The optimizer kernels' source (compiled by NVRTC on first use, like a layer's): RMSprop's
+/// kernels continue optim.cu, whose helpers they use.
 #[doc(hidden)]
-pub const OPTIMIZER_SOURCE: &str = include_str!("optim.cu");
+pub const OPTIMIZER_SOURCE: &str = concat!(include_str!("optim.cu"), include_str!("rmsprop.cu"));
 
 /// The kernels [`OPTIMIZER_SOURCE`] defines.
 #[doc(hidden)]
@@ -24,6 +25,10 @@ pub const OPTIMIZER_KERNELS: &[&str] = &[
     "adam_f16",
     "sgd_bf16",
     "adam_bf16",
+    "rmsprop_f64",
+    "rmsprop_f32",
+    "rmsprop_f16",
+    "rmsprop_bf16",
 ];
 
 static OPTIMIZER: LayerSetup = LayerSetup::new(OPTIMIZER_SOURCE, OPTIMIZER_KERNELS, None);
@@ -51,8 +56,10 @@ pub trait CudaParameters {
 struct Slot {
     /// First moment / momentum buffer.
     m: Buf,
-    /// Second moment (Adam).
+    /// Second moment (Adam), mean of the squared gradients (RMSprop).
     v: Option<Buf>,
+    /// Mean of the gradients (centered RMSprop).
+    mean: Option<Buf>,
     /// f32 master copy of half-precision parameters.
     master: Option<Buf>,
     /// The stamp the parameters had after this optimizer last wrote them.
@@ -84,6 +91,14 @@ pub(crate) enum Update {
         weight_decay: f64,
         correction2_sqrt: f64,
     },
+    RmsProp {
+        lr: f64,
+        alpha: f64,
+        eps: f64,
+        weight_decay: f64,
+        momentum: f64,
+        centered: bool,
+    },
 }
 
 impl DeviceState {
@@ -108,7 +123,9 @@ impl DeviceState {
         let (kernel, two_moments) = match update {
             Update::Sgd { .. } => (format!("sgd_{}", P::Elem::NAME), false),
             Update::Adam { .. } => (format!("adam_{}", P::Elem::NAME), true),
+            Update::RmsProp { .. } => (format!("rmsprop_{}", P::Elem::NAME), true),
         };
+        let centered = matches!(update, Update::RmsProp { centered: true, .. });
         let s = dev.__session(&OPTIMIZER)?;
         let slots = &mut self.slots;
         let mut index = 0;
@@ -129,6 +146,7 @@ impl DeviceState {
                     slots.push(Slot {
                         m: s.zeros_bytes(n * acc)?,
                         v: None,
+                        mean: None,
                         master: None,
                         written: 0,
                     });
@@ -143,6 +161,9 @@ impl DeviceState {
                 }
                 if two_moments && slot.v.is_none() {
                     slot.v = Some(s.zeros_bytes(n * acc)?);
+                }
+                if centered && slot.mean.is_none() {
+                    slot.mean = Some(s.zeros_bytes(n * acc)?);
                 }
                 let mut init_master = 0;
                 if half && slot.master.is_none() {
@@ -199,6 +220,29 @@ impl DeviceState {
                             Arg::F64(eps),
                             Arg::F64(weight_decay),
                             Arg::F64(correction2_sqrt),
+                        ]);
+                    }
+                    Update::RmsProp {
+                        lr,
+                        alpha,
+                        eps,
+                        weight_decay,
+                        momentum,
+                        centered,
+                    } => {
+                        let v = slot
+                            .v
+                            .as_ref()
+                            .ok_or_else(|| Error::new(operation, "no mean of squares"))?;
+                        args.extend([
+                            Arg::Buf(v),
+                            slot.mean.as_ref().map_or(Arg::Null, Arg::Buf),
+                            Arg::F64(lr),
+                            Arg::F64(alpha),
+                            Arg::F64(eps),
+                            Arg::F64(weight_decay),
+                            Arg::F64(momentum),
+                            Arg::Int(usize::from(centered)),
                         ]);
                     }
                 }
