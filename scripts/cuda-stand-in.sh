@@ -42,5 +42,15 @@ CUDA_STAND_IN_SCHEDULE=in-order cargo test --release --features cuda --test cuda
 echo "+ cuda_device, threads in a permuted order ($((SECONDS - start)) s so far)"
 CUDA_STAND_IN_SCHEDULE=permuted CUDA_STAND_IN_SEED=20240607 \
     cargo test --release --features cuda --test cuda_device 2>&1 | tee "$root/permuted.log"
-echo "cuda-stand-in: both runs passed in $((SECONDS - start)) s"
+# Without cuDNN: the device and the direct-kernel layers run, a cuDNN layer is an error.
+rm -rf "$root/lib-no-cudnn"
+mkdir -p "$root/lib-no-cudnn"
+for name in libcuda.so libcuda.so.1 libnvrtc.so libnvrtc.so.13 libnvrtc-builtins.so.13.0; do
+    ln -s "$PWD/target/release/libcuda_stand_in.so" "$root/lib-no-cudnn/$name"
+done
+echo "+ cuda_device without cuDNN"
+LD_LIBRARY_PATH="$root/lib-no-cudnn" NVRTC_LIB_DIR="$root/lib-no-cudnn" \
+    CUDNN_LIB_DIR="$root/lib-no-cudnn" CONV2D_NO_CUDNN=1 \
+    cargo test --release --features cuda --test cuda_device direct_layers_need_no_cudnn
+echo "cuda-stand-in: every run passed in $((SECONDS - start)) s"
 tail -n 3 "$root/permuted.log"

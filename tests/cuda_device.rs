@@ -167,6 +167,16 @@ macro_rules! equivalence {
                         same(&format!("backward_full d_{name}"), c, g, gradient_tolerance(name, bn_train, rows, tol));
                     }
 
+                    // From the CPU's forward state (the same stored values) the parameter
+                    // gradients, kept in the accumulator type, agree at its tolerance: both
+                    // devices take the activation's derivative from the stored output, which for
+                    // half-precision layers is rounded.
+                    let (mut dx_from_cpu, mut g_from_cpu) = (Input::zeros(), LayerGrads::zeros());
+                    l_cpu.backward_full(&mut cuda, &s_cpu, &x, &d_output, &mut dx_from_cpu, &mut g_from_cpu, mode).unwrap();
+                    for ((name, c), (_, g)) in gradients(&layer, &g_cpu).iter().zip(&gradients(&layer, &g_from_cpu)) {
+                        same(&format!("d_{name} from the CPU's state"), c, g, gradient_tolerance(name, bn_train, rows, tolerance::<<T as Element>::Acc>()));
+                    }
+
                     // The split passes equal the fused one; `backward` accumulates.
                     let mut dx_split = Input::from_fn(|_| <T as Element>::from_f64(f64::NAN));
                     l_gpu.backward_input(&mut cuda, &s_gpu, &d_output, &mut dx_split, mode).unwrap();
@@ -178,7 +188,7 @@ macro_rules! equivalence {
             }
 
             /// The device-resident types: every operation on tensors that stay on the GPU, and
-            /// training steps (Adam, then SGD with Nesterov momentum) whose optimizer runs on
+            /// training steps (Adam, SGD with Nesterov momentum, centered RMSprop with momentum) whose optimizer runs on
             /// the GPU and equals the CPU optimizer bit for bit from the same gradients.
             #[test]
             fn resident_operations_and_optimizers() {
@@ -219,8 +229,15 @@ macro_rules! equivalence {
                     s
                 };
                 let (mut sgd_cpu, mut sgd_gpu) = (sgd(), sgd());
+                let rmsprop = || {
+                    RmsProp::new(lr)
+                        .with_centered(true)
+                        .with_momentum(<A as Element>::from_f64(0.9))
+                        .with_weight_decay(<A as Element>::from_f64(1e-2))
+                };
+                let (mut rmsprop_cpu, mut rmsprop_gpu) = (rmsprop(), rmsprop());
                 let mut check = layer.clone();
-                for step in 0..4 {
+                for step in 0..6 {
                     reference.forward(&mut cpu, &x, &mut s_cpu, Mode::Train).unwrap();
                     on_gpu.forward(&mut cuda, &x_gpu, &mut s_gpu, Mode::Train).unwrap();
                     same("resident forward", s_cpu.output().as_slice(), s_gpu.output().download(&cuda).unwrap().as_slice(), tol);
@@ -249,9 +266,12 @@ macro_rules! equivalence {
                     if step < 2 {
                         adam_cpu.step(&mut reference, &g_host);
                         adam_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
-                    } else {
+                    } else if step < 4 {
                         sgd_cpu.step(&mut reference, &g_host);
                         sgd_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
+                    } else {
+                        rmsprop_cpu.step(&mut reference, &g_host);
+                        rmsprop_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
                     }
                     on_gpu.download_into(&cuda, &mut check).unwrap();
                     let mut expected = Vec::new();
@@ -345,6 +365,52 @@ fn device_reports_itself() {
     assert!(cuda.arch().starts_with("sm_"), "{}", cuda.arch());
     let _ = writeln!(std::io::stderr(), "GPU: {} ({})", cuda.name(), cuda.arch());
     assert!(Cuda::new(10_000).is_err());
+}
+
+/// Buffers stay with the device that made them, even on the same GPU (each device orders its
+/// work on its own stream); an empty batch is nothing to compute on either path; every
+/// gradient algorithm cuDNN was asked for so far was deterministic.
+#[test]
+fn buffers_belong_to_their_device() {
+    let Some(mut cuda) = gpu() else { return };
+    let Some(other) = gpu() else { return };
+    let layer = defaults::plain::Layer::new(&mut Rng::seed_from_u64(1));
+    let on_gpu = defaults::plain::LayerCuda::upload(&cuda, &layer).unwrap();
+    let x = CudaTensor::<f32, 2, 8, 8, 1>::zeros(&other).unwrap();
+    let mut y = CudaTensor::<f32, 2, 6, 6, 1>::zeros(&cuda).unwrap();
+    let error = on_gpu.evaluate(&mut cuda, &x, &mut y).unwrap_err();
+    assert!(error.reason.contains("another Cuda device"), "{error}");
+
+    let big = cudnn_f32::plain::Layer::new(&mut Rng::seed_from_u64(1));
+    let (x0, mut y0) = (Tensor::<f32, 0, 16, 16, 32>::zeros(), Tensor::<f32, 0, 16, 16, 32>::zeros());
+    big.evaluate(&mut cuda, &x0, &mut y0).unwrap();
+    layer.evaluate(&mut cuda, &Tensor::<f32, 0, 8, 8, 1>::zeros(), &mut Tensor::<f32, 0, 6, 6, 1>::zeros()).unwrap();
+    assert_eq!(cuda.nondeterministic_algorithms(), 0);
+}
+
+/// Without cuDNN (`scripts/cuda-stand-in.sh` runs this test with no cuDNN library to load, and
+/// sets `CONV2D_NO_CUDNN=1`), the device and the layers on the direct kernels still run; a
+/// layer that needs cuDNN is an error that says so. With cuDNN, both run.
+#[test]
+fn direct_layers_need_no_cudnn() {
+    let Some(mut cuda) = gpu() else { return };
+    let without = std::env::var("CONV2D_NO_CUDNN").is_ok_and(|v| v == "1");
+    let layer = defaults::plain::Layer::new(&mut Rng::seed_from_u64(1));
+    let x = Tensor::<f32, 2, 8, 8, 1>::from_fn(|i| (i % 5) as f32 * 0.25);
+    let (mut y, mut y_cpu) = (Tensor::<f32, 2, 6, 6, 1>::zeros(), Tensor::zeros());
+    layer.evaluate(&mut cuda, &x, &mut y).unwrap();
+    layer.evaluate(&mut Cpu::default(), &x, &mut y_cpu).unwrap();
+    same("direct evaluate", y_cpu.as_slice(), y.as_slice(), 1e-4);
+    let big = cudnn_f32::plain::Layer::new(&mut Rng::seed_from_u64(1));
+    let xb = Tensor::<f32, 1, 16, 16, 32>::zeros();
+    let mut yb = Tensor::<f32, 1, 16, 16, 32>::zeros();
+    match big.evaluate(&mut cuda, &xb, &mut yb) {
+        Ok(()) => assert!(!without, "a cuDNN layer ran without cuDNN"),
+        Err(e) => {
+            assert!(without, "{e}");
+            assert!(e.operation.contains("cuDNN"), "{e}");
+        }
+    }
 }
 
 /// tests/training.rs's synthetic task (which quadrant of a noisy 16x16 image holds a bright 3x3

@@ -1,13 +1,15 @@
 // The start and the end of every backward pass: the gradient through the activation, and the
 // bias gradient.
 
-// dz = d_output * f'(pre_activation), in the accumulator type, over `count` elements
-// (BATCH * NPIX * OC): the CPU's `d_conv` before the norm. Without a norm this is already the
-// gradient at the convolution output; with one, bn_backward_* or ln_* continue in place.
+// dz = d_output * f'(pre_activation), f' taken from the stored output where it can be (the
+// CPU's `df_given_output`), in the accumulator type, over `count` elements (BATCH * NPIX * OC):
+// the CPU's `d_conv` before the norm. Without a norm this is already the gradient at the
+// convolution output; with one, bn_backward_* or ln_* continue in place.
 extern "C" __global__ void __launch_bounds__(THREADS)
-activation_backward(long long count, const T* d_output, const T* pre_activation, acc_t* dz) {
+activation_backward(long long count, const T* d_output, const T* pre_activation, const T* output,
+                    acc_t* dz) {
     for (long long i = first_element(); i < count; i += element_stride()) {
-        dz[i] = to_acc(d_output[i]) * act_df(to_acc(pre_activation[i]));
+        dz[i] = to_acc(d_output[i]) * act_df(to_acc(pre_activation[i]), to_acc(output[i]));
     }
 }
 

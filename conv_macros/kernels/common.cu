@@ -69,8 +69,8 @@ constexpr int ROWS = BATCH * NPIX;        // output pixels of the training batch
 constexpr int WINDOW = KH * KW * IC;      // weights per output channel (OHWI row)
 constexpr bool PADDED = PH > 0 || PW > 0; // whether a window can leave the image
 
-// The activation and the derivative the backward pass multiplies by, both at the
-// pre-activation x; the formulas of conv_runtime/src/activation.rs, operation for operation.
+// The activation at the pre-activation x; the formulas of conv_runtime/src/activation.rs,
+// operation for operation.
 __device__ __forceinline__ acc_t act_f(acc_t x) {
     if constexpr (ACTIVATION == Activation::Identity) {
         return x;
@@ -92,7 +92,10 @@ __device__ __forceinline__ acc_t act_f(acc_t x) {
     }
 }
 
-__device__ __forceinline__ acc_t act_df(acc_t x) {
+// The derivative the backward pass multiplies by, at the pre-activation x whose stored output
+// is y (rounded to T as stored): the activations that have one take it from y, as the CPU's
+// `df_given_output` does, so that half-precision layers see the same rounded value.
+__device__ __forceinline__ acc_t act_df(acc_t x, acc_t y) {
     if constexpr (ACTIVATION == Activation::Identity) {
         return ACC(1);
     } else if constexpr (ACTIVATION == Activation::Relu) {
@@ -102,16 +105,11 @@ __device__ __forceinline__ acc_t act_df(acc_t x) {
         const acc_t t = acc_tanh(ACC(0.7978845608028654) * (x + ACC(0.044715) * x * x * x));
         const acc_t inner = ACC(0.7978845608028654) * (ACC(1) + ACC(3.0 * 0.044715) * x * x);
         return ACC(0.5) * (ACC(1) + t) + ACC(0.5) * x * (ACC(1) - t * t) * inner;
-    } else if constexpr (ACTIVATION == Activation::Tanh) {
-        const acc_t t = acc_tanh(x);
-        return ACC(1) - t * t;
-    } else if constexpr (ACTIVATION == Activation::FastTanh) {
-        // rl_tools' 1 - f(x)^2, also outside [-3, 3] where the clamped f is flat.
-        const acc_t t = act_f(x);
-        return ACC(1) - t * t;
+    } else if constexpr (ACTIVATION == Activation::Tanh || ACTIVATION == Activation::FastTanh) {
+        // rl_tools' 1 - f(x)^2 for FastTanh, also outside [-3, 3] where the clamped f is flat.
+        return ACC(1) - y * y;
     } else {
-        const acc_t s = act_f(x);
-        return s * (ACC(1) - s);
+        return y * (ACC(1) - y);
     }
 }
 

@@ -811,7 +811,7 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     let s = &mut dev.__session(&__SETUP)?;
                     let n = __BATCH * __NPIX * __OC;
                     let dz = s.zeros::<__A>(n)?;
-                    s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(d_output), Arg::Buf(state.pre_activation.__buf()), Arg::Buf(&dz)])?;
+                    s.launch("activation_backward", blocks_for(n), &[Arg::Long(n), Arg::Buf(d_output), Arg::Buf(state.pre_activation.__buf()), Arg::Buf(state.output.__buf()), Arg::Buf(&dz)])?;
                     #norm_backward
                     if let (#some(grads), #some(x)) = (grads, input) {
                         let partials = s.zeros::<__A>(__SCRATCH)?;
@@ -859,6 +859,10 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                         input: &#rt::cuda::CudaTensor<__T, { __B }, { __IH }, { __IW }, { __IC }>,
                         output: &mut #rt::cuda::CudaTensor<__T, { __B }, { __OH }, { __OW }, { __OC }>,
                     ) -> #result {
+                        // An empty batch has nothing to compute (cuDNN refuses its descriptors).
+                        if __B == 0 {
+                            return #ok(());
+                        }
                         let s = &mut dev.__session(&__SETUP)?;
                         let count = __B * __NPIX * __OC;
                         let (x, w, b) = (input.__buf(), self.weights.__buf(), self.biases.__buf());

@@ -343,21 +343,21 @@ struct Algorithms {
 /// The algorithm to run among cuDNN's ranked candidates `(status, determinism, algorithm,
 /// workspace bytes)`: the first deterministic one cuDNN can run and whose workspace `fits`, so
 /// that training is reproducible; else the first it can run at all (a layer is better
-/// slower-to-reproduce than unusable).
+/// slower-to-reproduce than unusable), which the caller counts (`false`: not deterministic).
 fn pick<A: Copy>(
     operation: &str,
     candidates: impl Iterator<Item = (dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)> + Clone,
     mut fits: impl FnMut(usize) -> Result<bool>,
-) -> Result<A> {
+) -> Result<(A, bool)> {
     let runs = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| {
         c.0 == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
     };
-    let deterministic = candidates
-        .clone()
-        .filter(|c| runs(c) && c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC);
-    for c in deterministic.chain(candidates.filter(runs)) {
+    let deterministic =
+        |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
+    let first = candidates.clone().filter(|c| runs(c) && deterministic(c));
+    for c in first.chain(candidates.filter(runs)) {
         if fits(c.3)? {
-            return Ok(c.2);
+            return Ok((c.2, deterministic(&c)));
         }
     }
     Err(Error::new(operation, "no algorithm supports the layer"))
@@ -367,17 +367,26 @@ fn pick<A: Copy>(
 struct Kernels(HashMap<&'static str, CudaFunction>);
 
 /// A CUDA GPU. Create with [`Cuda::new`]; pass to a layer's operations like [`crate::Cpu`].
+///
+/// Fields drop in declaration order: the cuDNN handle (bound to the stream) and the buffers
+/// before the stream, the stream before the context.
 pub struct Cuda {
-    ctx: Arc<CudaContext>,
-    pub(super) stream: Arc<CudaStream>,
-    handle: Handle,
-    arch: String,
-    name: String,
+    /// cuDNN, loaded and bound to the stream on first use: a GPU without cuDNN still runs the
+    /// layers whose convolutions are the direct kernels.
+    handle: Option<Handle>,
     workspace: Option<CudaSlice<u8>>,
     modules: HashMap<usize, Arc<Kernels>>,
     algorithms: HashMap<(usize, usize), Algorithms>,
     /// Layer types and batches whose fused convolution + bias + ReLU cuDNN does not support.
     unfused: std::collections::HashSet<(usize, usize)>,
+    /// Algorithm choices that found no deterministic algorithm cuDNN could run.
+    nondeterministic: usize,
+    arch: String,
+    name: String,
+    /// Unique among the devices of the process: buffers remember the device that made them.
+    id: u64,
+    pub(super) stream: Arc<CudaStream>,
+    ctx: Arc<CudaContext>,
 }
 
 impl std::fmt::Debug for Cuda {
@@ -420,26 +429,53 @@ impl Cuda {
             .compute_capability()
             .map_err(|e| driver("cuDeviceGetAttribute (compute capability)", e))?;
         let name = ctx.name().map_err(|e| driver("cuDeviceGetName", e))?;
+        static NEXT_ID: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        Ok(Self {
+            handle: None,
+            workspace: None,
+            modules: HashMap::new(),
+            algorithms: HashMap::new(),
+            unfused: Default::default(),
+            nondeterministic: 0,
+            arch: format!("sm_{major}{minor}"),
+            name,
+            id: NEXT_ID.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            stream,
+            ctx,
+        })
+    }
+
+    /// The cuDNN handle, on first use loading cuDNN, creating the handle and binding it to the
+    /// device's stream.
+    fn cudnn_handle(&mut self) -> Result<dnn::cudnnHandle_t> {
+        if let Some(h) = &self.handle {
+            return Ok(h.0);
+        }
         load_cudnn()?;
+        self.bind()?;
         let mut raw = std::ptr::null_mut();
         // SAFETY: a valid out-pointer; the context is current on this thread.
         cudnn("cudnnCreate", unsafe { dnn::cudnnCreate(&mut raw) })?;
         let handle = Handle(raw);
         // SAFETY: a live handle and stream.
         cudnn("cudnnSetStream", unsafe {
-            dnn::cudnnSetStream(handle.0, stream.cu_stream() as dnn::cudaStream_t)
+            dnn::cudnnSetStream(handle.0, self.stream.cu_stream() as dnn::cudaStream_t)
         })?;
-        Ok(Self {
-            ctx,
-            stream,
-            handle,
-            arch: format!("sm_{major}{minor}"),
-            name,
-            workspace: None,
-            modules: HashMap::new(),
-            algorithms: HashMap::new(),
-            unfused: Default::default(),
-        })
+        let h = handle.0;
+        self.handle = Some(handle);
+        Ok(h)
+    }
+
+    /// Identifies this device among the process's devices.
+    pub(super) fn id(&self) -> u64 {
+        self.id
+    }
+
+    /// Layer types and batches whose cuDNN gradients found no deterministic algorithm cuDNN
+    /// could run (with its workspace) and run a non-deterministic one: their training is not
+    /// bit-reproducible. Zero on every shape the suites check.
+    pub fn nondeterministic_algorithms(&self) -> usize {
+        self.nondeterministic
     }
 
     /// The GPU's ordinal.
@@ -511,7 +547,7 @@ impl Cuda {
         if let Some(a) = self.algorithms.get(&(setup.id(), batch)) {
             return Ok(*a);
         }
-        let h = self.handle.0;
+        let h = self.cudnn_handle()?;
         const N: usize = 16;
         let mut count: c_int = 0;
         // SAFETY (all three queries): live handle and descriptors, out-arrays of N entries.
@@ -528,7 +564,7 @@ impl Cuda {
                 fwd.as_mut_ptr(),
             )
         })?;
-        let forward = pick(
+        let (forward, forward_deterministic) = pick(
             "cudnnGetConvolutionForwardAlgorithm_v7",
             fwd[..count.max(0) as usize]
                 .iter()
@@ -548,7 +584,7 @@ impl Cuda {
                 bwd.as_mut_ptr(),
             )
         })?;
-        let data = pick(
+        let (data, data_deterministic) = pick(
             "cudnnGetConvolutionBackwardDataAlgorithm_v7",
             bwd[..count.max(0) as usize]
                 .iter()
@@ -568,13 +604,16 @@ impl Cuda {
                 flt.as_mut_ptr(),
             )
         })?;
-        let filter = pick(
+        let (filter, filter_deterministic) = pick(
             "cudnnGetConvolutionBackwardFilterAlgorithm_v7",
             flt[..count.max(0) as usize]
                 .iter()
                 .map(|p| (p.status, p.determinism, p.algo, p.memory)),
             |bytes| self.workspace_fits(bytes),
         )?;
+        if !(forward_deterministic && data_deterministic && filter_deterministic) {
+            self.nondeterministic += 1;
+        }
         let (mut forward_bytes, mut data_bytes, mut filter_bytes) = (0usize, 0usize, 0usize);
         // SAFETY: live handle and descriptors, valid out-pointers.
         cudnn("cudnnGetConvolutionForwardWorkspaceSize", unsafe {
@@ -783,6 +822,7 @@ impl Session<'_> {
             return Ok(false);
         }
         let d = self.setup.descriptors(batch)?;
+        let handle = self.dev.cudnn_handle()?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.forward_bytes)?;
         let (zero, one, _) = self.scalars(&d);
@@ -792,7 +832,7 @@ impl Session<'_> {
         // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
         let status = unsafe {
             dnn::cudnnConvolutionBiasActivationForward(
-                self.dev.handle.0,
+                handle,
                 one.as_ptr().cast(),
                 d.x.0,
                 x.ptr() as *const c_void,
@@ -847,13 +887,14 @@ impl Session<'_> {
     ) -> Result<()> {
         self.check("cudnnConvolutionForward", &[x, w, bias, y])?;
         let d = self.setup.descriptors(batch)?;
+        let handle = self.dev.cudnn_handle()?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.forward_bytes)?;
         let (zero, one, _) = self.scalars(&d);
         // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
         cudnn("cudnnConvolutionForward", unsafe {
             dnn::cudnnConvolutionForward(
-                self.dev.handle.0,
+                handle,
                 one.as_ptr().cast(),
                 d.x.0,
                 x.ptr() as *const c_void,
@@ -871,7 +912,7 @@ impl Session<'_> {
         // SAFETY: as above; the bias broadcasts over batch and pixels.
         cudnn("cudnnAddTensor", unsafe {
             dnn::cudnnAddTensor(
-                self.dev.handle.0,
+                handle,
                 one.as_ptr().cast(),
                 d.bias.0,
                 bias.ptr() as *const c_void,
@@ -886,13 +927,14 @@ impl Session<'_> {
     pub fn conv_backward_data(&mut self, batch: usize, w: &Buf, dz: &Buf, dx: &Buf) -> Result<()> {
         self.check("cudnnConvolutionBackwardData", &[w, dz, dx])?;
         let d = self.setup.descriptors(batch)?;
+        let handle = self.dev.cudnn_handle()?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.data_bytes)?;
         let (zero, one, _) = self.scalars(&d);
         // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
         cudnn("cudnnConvolutionBackwardData", unsafe {
             dnn::cudnnConvolutionBackwardData(
-                self.dev.handle.0,
+                handle,
                 one.as_ptr().cast(),
                 d.w.0,
                 w.ptr() as *const c_void,
@@ -919,13 +961,14 @@ impl Session<'_> {
     ) -> Result<()> {
         self.check("cudnnConvolutionBackwardFilter", &[x, dz, dw])?;
         let d = self.setup.descriptors(batch)?;
+        let handle = self.dev.cudnn_handle()?;
         let a = self.dev.algorithms(self.setup, batch, &d)?;
         let ws = self.dev.workspace(a.filter_bytes)?;
         let (_, one, _) = self.scalars(&d);
         // SAFETY: live handle and descriptors; the buffers have the descriptors' sizes.
         cudnn("cudnnConvolutionBackwardFilter", unsafe {
             dnn::cudnnConvolutionBackwardFilter(
-                self.dev.handle.0,
+                handle,
                 one.as_ptr().cast(),
                 d.x.0,
                 x.ptr() as *const c_void,
@@ -1043,4 +1086,46 @@ fn preload_cudnn(dir: &Path) -> std::result::Result<Vec<libloading::Library>, St
         .map_err(|e| format!("{}: {e}", main.display()))?;
     loaded.push(lib);
     Ok(loaded)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const OK: dnn::cudnnStatus_t = dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS;
+    const DET: dnn::cudnnDeterminism_t = dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
+    const NONDET: dnn::cudnnDeterminism_t = dnn::cudnnDeterminism_t::CUDNN_NON_DETERMINISTIC;
+
+    fn choose(
+        candidates: &[(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, u32, usize)],
+        room: usize,
+    ) -> Result<(u32, bool)> {
+        pick("test", candidates.iter().copied(), |bytes| Ok(bytes <= room))
+    }
+
+    #[test]
+    fn deterministic_first_then_whatever_runs() -> Result<()> {
+        // cuDNN may rank a non-deterministic algorithm first.
+        assert_eq!(choose(&[(OK, NONDET, 1, 0), (OK, DET, 2, 0)], 0)?, (2, true));
+        // Only a non-deterministic one runs: taken, and reported as such.
+        assert_eq!(choose(&[(OK, NONDET, 1, 0)], 0)?, (1, false));
+        let refused = dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED;
+        assert_eq!(choose(&[(refused, DET, 1, 0), (OK, NONDET, 2, 0)], 0)?, (2, false));
+        assert!(choose(&[(refused, DET, 1, 0)], 0).is_err());
+        Ok(())
+    }
+
+    #[test]
+    fn a_workspace_that_does_not_fit_moves_on() -> Result<()> {
+        let huge = 48 << 30;
+        assert_eq!(choose(&[(OK, DET, 1, huge), (OK, DET, 2, 64)], 1 << 20)?, (2, true));
+        assert_eq!(choose(&[(OK, DET, 1, huge), (OK, NONDET, 2, 64)], 1 << 20)?, (2, false));
+        assert!(choose(&[(OK, DET, 1, huge)], 1 << 20).is_err());
+        // An allocation failure other than "out of memory" is the call's error.
+        let failing = pick("test", [(OK, DET, 1u32, 64)].into_iter(), |_| {
+            Err(Error::new("cuMemAlloc", "broken"))
+        });
+        assert!(failing.is_err());
+        Ok(())
+    }
 }

@@ -19,6 +19,9 @@ pub struct Buf {
     bytes: CudaSlice<u8>,
     ptr: u64,
     ordinal: usize,
+    /// The [`Cuda`] device (and so the stream) it belongs to: another device on the same GPU
+    /// orders its work on another stream, which would race with this one's.
+    device: u64,
 }
 
 impl Buf {
@@ -51,6 +54,7 @@ impl Buf {
             bytes,
             ptr,
             ordinal: dev.ordinal(),
+            device: dev.id(),
         }
     }
 
@@ -69,10 +73,19 @@ impl Buf {
         self.bytes.len() == 0
     }
 
-    /// An error unless the buffer lives on `dev`.
+    /// An error unless the buffer was made by `dev` (not merely on its GPU: each device has its
+    /// own stream).
     pub(crate) fn check(&self, dev: &Cuda, operation: &str) -> Result<()> {
-        if self.ordinal == dev.ordinal() {
+        if self.device == dev.id() {
             Ok(())
+        } else if self.ordinal == dev.ordinal() {
+            Err(Error::new(
+                operation,
+                format!(
+                    "a buffer of another Cuda device on GPU {} was passed to this one: each device orders its work on its own stream, so buffers stay with the device that made them",
+                    self.ordinal
+                ),
+            ))
         } else {
             Err(Error::new(
                 operation,
