@@ -7,6 +7,7 @@ use proc_macro2::Span;
 use syn::{Attribute, Ident, Visibility};
 
 /// `#[attrs] vis struct Name { entries }`.
+#[derive(Clone)]
 pub struct Input {
     pub attrs: Vec<Attribute>,
     pub vis: Visibility,
@@ -17,12 +18,14 @@ pub struct Input {
 }
 
 /// `key: value`.
+#[derive(Clone)]
 pub struct Entry {
     pub key: Ident,
     pub value: Value,
 }
 
 /// A value as written.
+#[derive(Clone)]
 pub enum Value {
     /// An integer literal, possibly negative (`minus` is the sign's span), as written (`text`).
     Int {
@@ -47,6 +50,14 @@ pub enum Value {
         name: Ident,
         fields: Option<(Vec<Entry>, Span)>,
     },
+    /// `Name(value, ...)` (`network!`'s `Activation(Relu)`).
+    Call {
+        name: Ident,
+        args: Vec<Value>,
+        span: Span,
+    },
+    /// `[name: value, ...]` (`network!`'s layer lists).
+    List { entries: Vec<Entry>, span: Span },
     /// A string literal (never valid; kept to point at it).
     Str { span: Span },
 }
@@ -58,8 +69,9 @@ impl Value {
             | Value::Float { span, .. }
             | Value::Bool { span, .. }
             | Value::Array { span, .. }
+            | Value::List { span, .. }
             | Value::Str { span } => *span,
-            Value::Named { name, .. } => name.span(),
+            Value::Named { name, .. } | Value::Call { name, .. } => name.span(),
         }
     }
 
@@ -96,6 +108,8 @@ impl Value {
             Value::Bool { value, .. } => format!("`{value}`"),
             Value::Array { items, .. } => format!("an array of {} values", items.len()),
             Value::Named { name, .. } => format!("`{name}`"),
+            Value::Call { name, .. } => format!("`{name}(..)`"),
+            Value::List { entries, .. } => format!("a list of {} named entries", entries.len()),
             Value::Str { .. } => "a string".into(),
         }
     }

@@ -11,6 +11,7 @@
 mod ast;
 mod expand;
 mod hygiene;
+mod network;
 mod parse;
 mod spec;
 mod valid;
@@ -40,6 +41,16 @@ pub fn conv2d(input: TokenStream) -> TokenStream {
             quote::quote!(#errors #fallback).into()
         }
     }
+}
+
+/// Defines a whole network — conv layers, pooling, dense layers, residual blocks — with its
+/// shapes chained at expansion time and every entry specialized as `conv2d!` specializes a
+/// layer: one parameter struct, one state, `evaluate` / `forward` / `backward` /
+/// `backward_full`, and `Parameters` under the names `entry.field`. See `conv_runtime`'s API
+/// docs.
+#[proc_macro]
+pub fn network(input: TokenStream) -> TokenStream {
+    network::network(input.into()).into()
 }
 
 /// `__hygiene_names! { callback; spec spec .. }` (each `spec` a `conv2d!` body) calls

@@ -27,7 +27,7 @@ impl Parse for Input {
     }
 }
 
-fn parse_entries(input: ParseStream) -> syn::Result<Vec<Entry>> {
+pub fn parse_entries(input: ParseStream) -> syn::Result<Vec<Entry>> {
     let mut entries = Vec::new();
     while !input.is_empty() {
         let key: Ident = input.call(syn::ext::IdentExt::parse_any)?;
@@ -46,6 +46,13 @@ fn parse_value(input: ParseStream) -> syn::Result<Value> {
     if input.peek(syn::token::Bracket) {
         let content;
         let bracket = bracketed!(content in input);
+        // `[name: value, ...]`: a list of named entries.
+        if content.peek(Ident) && content.peek2(Token![:]) && !content.peek2(Token![::]) {
+            return Ok(Value::List {
+                entries: parse_entries(&content)?,
+                span: bracket.span.join(),
+            });
+        }
         let mut items = Vec::new();
         while !content.is_empty() {
             items.push(parse_value(&content)?);
@@ -89,6 +96,23 @@ fn parse_value(input: ParseStream) -> syn::Result<Value> {
     }
     if input.peek(Ident) && !input.peek(syn::LitBool) {
         let name: Ident = input.call(syn::ext::IdentExt::parse_any)?;
+        if input.peek(syn::token::Paren) {
+            let content;
+            let paren = syn::parenthesized!(content in input);
+            let mut args = Vec::new();
+            while !content.is_empty() {
+                args.push(parse_value(&content)?);
+                if content.is_empty() {
+                    break;
+                }
+                content.parse::<Token![,]>()?;
+            }
+            return Ok(Value::Call {
+                name,
+                args,
+                span: paren.span.join(),
+            });
+        }
         let fields = if input.peek(syn::token::Brace) {
             let content;
             let brace = braced!(content in input);

@@ -9,7 +9,7 @@ use proc_macro2::Span;
 use crate::ast::{Entry, Input, Value};
 use crate::spec::{Activation, Dtype, Init, Norm, Spec};
 
-const KEYS: [&str; 10] = [
+pub(crate) const KEYS: [&str; 10] = [
     "input",
     "out_channels",
     "kernel",
@@ -52,6 +52,11 @@ pub struct Ctxt {
 impl Ctxt {
     pub fn error(&mut self, span: Span, message: impl std::fmt::Display) {
         self.errors.push(syn::Error::new(span, message));
+    }
+
+    /// Errors found elsewhere (a network's `Conv2d` entry validated as a layer).
+    pub fn push(&mut self, error: syn::Error) {
+        self.errors.push(error);
     }
 
     /// An error covering `value` as written.
@@ -238,7 +243,7 @@ pub fn validate(input: Input) -> syn::Result<Spec> {
 }
 
 /// The accepted name `name` was probably meant to be, if any.
-fn suggestion<'a>(name: &str, choices: &[&'a str]) -> Option<&'a str> {
+pub(crate) fn suggestion<'a>(name: &str, choices: &[&'a str]) -> Option<&'a str> {
     if let Some((_, to)) = ALIASES.iter().find(|(from, _)| *from == name) {
         if let Some(c) = choices.iter().find(|c| *c == to) {
             return Some(c);
@@ -254,7 +259,7 @@ fn suggestion<'a>(name: &str, choices: &[&'a str]) -> Option<&'a str> {
 }
 
 /// "unknown KIND `name` (did you mean `x`?); expected one of: ...".
-fn unknown(kind: &str, name: &str, choices: &[&str]) -> String {
+pub(crate) fn unknown(kind: &str, name: &str, choices: &[&str]) -> String {
     let hint =
         suggestion(name, choices).map_or(String::new(), |c| format!(" (did you mean `{c}`?)"));
     format!(
@@ -279,7 +284,7 @@ fn edit_distance(a: &str, b: &str) -> usize {
 }
 
 /// An integer `>= min`.
-fn integer(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<usize> {
+pub(crate) fn integer(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<usize> {
     let accepted = if min == 0 {
         "a non-negative integer"
     } else {
@@ -312,7 +317,7 @@ fn integer(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<usize
 }
 
 /// A scalar or `[height, width]`.
-fn pair(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<[usize; 2]> {
+pub(crate) fn pair(cx: &mut Ctxt, value: &Value, what: &str, min: usize) -> Option<[usize; 2]> {
     match value {
         Value::Array { items, .. } if items.len() == 2 => {
             let h = integer(cx, &items[0], &format!("{what} height"), min);
@@ -355,7 +360,7 @@ fn input_shape(cx: &mut Ctxt, value: &Value) -> Option<[usize; 3]> {
 }
 
 /// A bare name out of `choices`.
-fn named_choice<T: Copy>(
+pub(crate) fn named_choice<T: Copy>(
     cx: &mut Ctxt,
     value: &Value,
     what: &str,
@@ -395,7 +400,7 @@ fn named_choice<T: Copy>(
 }
 
 /// The fields of `Name { ... }`: known ones by name, unknown or duplicate ones reported.
-fn fields<'a>(cx: &mut Ctxt, of: &str, entries: &'a [Entry], allowed: &[&str]) -> Vec<&'a Entry> {
+pub(crate) fn fields<'a>(cx: &mut Ctxt, of: &str, entries: &'a [Entry], allowed: &[&str]) -> Vec<&'a Entry> {
     let mut out: Vec<&Entry> = Vec::new();
     for e in entries {
         let key = e.key.to_string();
@@ -516,7 +521,7 @@ fn norm(cx: &mut Ctxt, value: &Value) -> Option<Norm> {
     }
 }
 
-fn init(cx: &mut Ctxt, value: &Value) -> Option<Init> {
+pub(crate) fn init(cx: &mut Ctxt, value: &Value) -> Option<Init> {
     let Value::Named {
         name,
         fields: entries,

@@ -32,6 +32,9 @@ mod element;
 mod error;
 pub mod head;
 pub mod init;
+pub mod loss;
+mod network;
+mod team;
 #[cfg(feature = "onednn")]
 pub mod onednn;
 pub mod optim;
@@ -43,15 +46,17 @@ mod tensor;
 #[doc(hidden)]
 pub mod winograd;
 
-pub use conv_macros::conv2d;
+pub use conv_macros::{conv2d, network};
 pub use cpu::{Cpu, Mode};
 pub use element::{Element, Real};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
-pub use optim::{Adam, Sgd};
+pub use loss::Loss;
+pub use network::NetworkDevice;
+pub use optim::{Adam, RmsProp, Sgd};
 pub use params::{ParamTensor, Parameters};
 pub use rng::Rng;
-pub use tensor::{ShapeError, Tensor, Vector};
+pub use tensor::{Matrix, ShapeError, Tensor, Vector};
 
 /// Expands its input only when this crate was built with the `onednn` feature: generated code
 /// is compiled in the user's crate, whose own features say nothing about the runtime's.
@@ -99,8 +104,8 @@ pub mod prelude {
     #[cfg(feature = "onednn")]
     pub use crate::OneDnn;
     pub use crate::{
-        bf16, conv2d, f16, Adam, Cpu, Element, Mode, ParamTensor, Parameters, Rng, Sgd, Tensor,
-        Vector,
+        bf16, conv2d, f16, network, Adam, Cpu, Element, Matrix, Mode, NetworkDevice, ParamTensor,
+        Parameters, RmsProp, Rng, Sgd, Tensor, Vector,
     };
 }
 
@@ -117,11 +122,17 @@ pub mod __private {
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, avx512vl, Simd};
+    pub use crate::network::{view, view_mut, Dense, DenseWeights};
     pub use crate::winograd;
     pub use crate::{
-        bf16, f16, Cpu, Element, Error, Mode, ParamTensor, Parameters, Real, Result, Rng, Tensor,
-        Vector,
+        bf16, f16, Cpu, Element, Error, Matrix, Mode, NetworkDevice, ParamTensor, Parameters, Real,
+        Result, Rng, Tensor, Vector,
     };
     /// For the project's hygiene test (tests/hygiene.rs).
     pub use conv_macros::__hygiene_names as hygiene_names;
 }
+
+/// The README's examples, compiled and run as doc tests so that they stay true.
+#[cfg(doctest)]
+#[doc = include_str!("../../README.md")]
+pub struct ReadmeDoctests;

@@ -43,9 +43,18 @@ impl std::error::Error for ShapeError {}
 macro_rules! dense {
     ($(#[$doc:meta])* $name:ident [$($dim:ident),+], $shape:literal) => {
         $(#[$doc])*
+        // `repr(C)`: every dense type has the same layout, so a view of one as another of the
+        // same length (`crate::network::view`) is the same memory.
+        #[repr(C)]
         pub struct $name<T, $(const $dim: usize),+> {
             data: Box<[T]>,
             stamp: u64,
+        }
+
+        // SAFETY: `repr(C)` with the fields every dense type has.
+        unsafe impl<T, $(const $dim: usize),+> crate::network::Dense for $name<T, $($dim),+> {
+            type Elem = T;
+            const LEN: usize = 1 $(* $dim)+;
         }
 
         impl<T: Element, $(const $dim: usize),+> $name<T, $($dim),+> {

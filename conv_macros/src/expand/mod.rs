@@ -1,12 +1,13 @@
 //! Validated [`Spec`] -> tokens. One module per output.
 
 mod backward;
-mod cpu;
+pub(crate) mod cpu;
 mod cuda;
+mod dense;
 mod kernel;
 mod norm;
 mod onednn;
-mod types;
+pub(crate) mod types;
 mod winograd;
 
 use proc_macro2::{Literal, TokenStream};
@@ -31,6 +32,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
 pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ident) -> TokenStream {
     let grads = format_ident!("{}Grads", name);
     let state = format_ident!("{}State", name);
+    let input = format_ident!("{}Input", name);
+    let output = format_ident!("{}Output", name);
     let rt = rt();
     let consts = types::CONSTANTS.iter().map(|c| {
         let c = format_ident!("{}", c);
@@ -97,6 +100,8 @@ pub fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ide
         impl #state {
             #(#state_methods)*
         }
+        #vis type #input<const __B: usize> = [(); __B];
+        #vis type #output<const __B: usize> = [(); __B];
         #rt::if_cuda! {
             #vis struct #cuda_layer;
             #vis struct #cuda_grads;
@@ -134,11 +139,11 @@ pub fn struct_name(tokens: proc_macro2::TokenStream) -> Option<syn::Ident> {
 }
 
 /// The runtime's private module, the only path generated code reaches the runtime through.
-fn rt() -> TokenStream {
+pub(crate) fn rt() -> TokenStream {
     quote!(::conv_runtime::__private)
 }
 
-fn lit(n: usize) -> Literal {
+pub(crate) fn lit(n: usize) -> Literal {
     Literal::usize_unsuffixed(n)
 }
 
@@ -162,6 +167,8 @@ pub fn public_names(spec: &Spec) -> Vec<String> {
         names.grads.to_string(),
         names.state.to_string(),
         names.device.to_string(),
+        format!("{layer}Input"),
+        format!("{layer}Output"),
         format!("{layer}Cuda"),
         format!("{layer}CudaGrads"),
         format!("{layer}CudaState"),
@@ -190,7 +197,7 @@ impl Names {
 }
 
 /// The element type's tokens.
-fn elem(dtype: Dtype) -> TokenStream {
+pub(crate) fn elem(dtype: Dtype) -> TokenStream {
     let rt = rt();
     match dtype {
         Dtype::F64 => quote!(f64),
@@ -201,7 +208,7 @@ fn elem(dtype: Dtype) -> TokenStream {
 }
 
 /// The accumulator type's tokens.
-fn acc(dtype: Dtype) -> TokenStream {
+pub(crate) fn acc(dtype: Dtype) -> TokenStream {
     match dtype {
         Dtype::F64 => quote!(f64),
         _ => quote!(f32),

@@ -324,6 +324,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let layer_doc = format!(
         "Devices that can run [`{layer}`]: the CPU, and the other backends the runtime was built with."
     );
+    let input_alias = format_ident!("{}Input", layer);
+    let output_alias = format_ident!("{}Output", layer);
+    let input_doc = format!("The input of [`{layer}`] at batch `B`.");
+    let output_doc = format!("The output of [`{layer}`] at batch `B`.");
     let x_ty = quote!(#rt::Tensor<#t, #batch, #ih, #iw, #ic>);
     let y_ty = quote!(#rt::Tensor<#t, #batch, #oh, #ow, #oc>);
 
@@ -355,6 +359,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
             /// The layer's output.
             output: #y_ty,
         }
+
+        #[doc = #input_doc]
+        #[allow(dead_code)]
+        #vis type #input_alias<const __B: usize> = #rt::Tensor<#t, { __B }, #ih, #iw, #ic>;
+        #[doc = #output_doc]
+        #[allow(dead_code)]
+        #vis type #output_alias<const __B: usize> = #rt::Tensor<#t, { __B }, #oh, #ow, #oc>;
 
         #[doc = #layer_doc]
         #vis trait #device {

@@ -357,6 +357,26 @@ pub struct OneDnn {
     fallbacks: u64,
 }
 
+/// Networks run on oneDNN as their layers do; the code between layers (pooling, element-wise
+/// entries) is generated code on the device's CPU threads, pooling counted as a fallback.
+impl crate::network::NetworkDevice for OneDnn {
+    fn __pool(&self) -> &crate::cpu::Pool {
+        self.cpu.__pool()
+    }
+
+    fn __take<X: std::any::Any + Send + Default>(&mut self) -> Box<X> {
+        crate::network::NetworkDevice::__take(&mut self.cpu)
+    }
+
+    fn __put<X: std::any::Any + Send>(&mut self, x: Box<X>) {
+        crate::network::NetworkDevice::__put(&mut self.cpu, x)
+    }
+
+    fn __fallback(&mut self) {
+        self.fallbacks += 1;
+    }
+}
+
 impl std::fmt::Debug for OneDnn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("OneDnn")

@@ -1,0 +1,377 @@
+//! Generated CPU code for dense layers: a 1x1 convolution of a 1x1 map (`network!`'s `Dense`,
+//! and any `conv2d!` spec of that shape), computed on the weights as they are (`[out][in]`,
+//! which is OHWI here) instead of repacked:
+//!
+//! - forward: `y[b][o] = bias[o] + x[b] . w[o]`, dot products along the inputs in vectors,
+//!   `ROWS x COLS` of them per register tile, each summed across lanes once at the end;
+//! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
+//! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient.
+//!
+//! No repack per parameter change and no transposed copy of the weight gradient: a dense
+//! layer's weights are most of a small network's, and each step changes them. Every sum runs
+//! in a fixed order (inputs, output channels or batch rows ascending), whatever the partition:
+//! forward and input gradient by batch rows, weight gradient by output channels.
+//!
+//! Used for f32 and f64 layers (half-precision layers keep the direct kernels, which stage
+//! their input in f32).
+
+use proc_macro2::TokenStream;
+use quote::{quote, ToTokens};
+
+use super::kernel::dispatched;
+use super::{lit, rt};
+use crate::spec::{Dtype, Spec};
+
+/// Whether a spec runs on these kernels.
+pub fn applies(spec: &Spec) -> bool {
+    spec.in_h() == 1
+        && spec.in_w() == 1
+        && spec.kernel == [1, 1]
+        && spec.padding == [0, 0]
+        && matches!(spec.dtype, Dtype::F32 | Dtype::F64)
+}
+
+/// Rows and output channels of a forward register tile (dot products in flight: with their
+/// rows' input vectors and one weight vector, 16 registers).
+const ROWS: usize = 3;
+const COLS: usize = 4;
+/// Rows (or output channels) and input vectors of a gradient register tile: 12 accumulators,
+/// the rows' broadcasts and one vector of the other operand, 16 registers.
+const TILE_ROWS: usize = 3;
+const VECS: usize = 4;
+
+/// `__conv` (the direct and Winograd kernels' signature) and `__backward_pass`.
+pub fn expand(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let layer = &spec.ident;
+    let (rows, cols, vecs, tile_rows) = (lit(ROWS), lit(COLS), lit(VECS), lit(TILE_ROWS));
+    // The register tiles, generic over their size so that edges take smaller ones; every loop
+    // bound is a constant, so each instantiation is straight-line code around the `k` loop.
+    let tiles = quote! {
+        /// `R x C` dot products of rows of `x` (`IC` apart) and rows of `w`, across lanes.
+        #[inline(always)]
+        unsafe fn __dense_dots<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize>(
+            x: *const __A, w: *const __A,
+        ) -> [[__A; __C]; __R] {
+            let mut acc = [[__S::zero(); __C]; __R];
+            let mut k = 0;
+            while k + __L <= __IC {
+                let xv: [__S; __R] = ::core::array::from_fn(|r| __S::load(x.add(r * __IC + k)));
+                for c in 0..__C {
+                    let wv = __S::load(w.add(c * __IC + k));
+                    for r in 0..__R {
+                        acc[r][c] = __S::fma(xv[r], wv, acc[r][c]);
+                    }
+                }
+                k += __L;
+            }
+            if k < __IC {
+                let n = __IC - k;
+                let xv: [__S; __R] = ::core::array::from_fn(|r| __S::load_partial(x.add(r * __IC + k), n));
+                for c in 0..__C {
+                    let wv = __S::load_partial(w.add(c * __IC + k), n);
+                    for r in 0..__R {
+                        acc[r][c] = __S::fma(xv[r], wv, acc[r][c]);
+                    }
+                }
+            }
+            ::core::array::from_fn(|r| ::core::array::from_fn(|c| acc[r][c].sum()))
+        }
+
+        /// `put(r, c, dot)` for a tile of [`__dense_dots`].
+        #[inline(always)]
+        unsafe fn __dense_tile<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize>(
+            x: *const __A, w: *const __A, put: &mut impl ::core::ops::FnMut(usize, usize, __A),
+        ) {
+            let d = __dense_dots::<__S, { __R }, { __C }>(x, w);
+            for r in 0..__R {
+                for c in 0..__C {
+                    put(r, c, d[r][c]);
+                }
+            }
+        }
+
+        /// Copies `v[j][k0..k0 + V * L]` of `terms` rows (`IC` apart) into `stripe` (zeros past
+        /// `IC`): rows `IC` apart share cache sets (4 KiB apart for 1024 f32 inputs), the stripe
+        /// does not.
+        #[inline(always)]
+        unsafe fn __dense_stripe<const __V: usize>(v: *const __A, terms: usize, k0: usize, stripe: &mut [__A]) {
+            let n = if __IC - k0 < __V * __L { __IC - k0 } else { __V * __L };
+            for j in 0..terms {
+                let dst = &mut stripe[j * __V * __L..][..__V * __L];
+                ::core::ptr::copy_nonoverlapping(v.add(j * __IC + k0), dst.as_mut_ptr(), n);
+                dst[n..].fill(0.0);
+            }
+        }
+
+        /// `out[r] (+)= sum_j g[r][j] * v[j]` for `R` rows over `terms` terms, `V` vectors of
+        /// the rows from `k0` on (`g` strided by `gs` per row and `gj` per term; `v` a stripe:
+        /// its rows `V * L` apart, holding `k0..`); whole vectors when `FULL`, else up to `IC`.
+        /// Adds to `out` when `ADD`.
+        #[inline(always)]
+        unsafe fn __dense_axpys<__S: #rt::Simd<Elem = __A>, const __R: usize, const __V: usize, const __FULL: bool, const __ADD: bool>(
+            g: *const __A, gs: usize, gj: usize, terms: usize, v: *const __A, k0: usize, out: *mut __A,
+        ) {
+            let lanes = |i: usize| {
+                let k = k0 + i * __L;
+                if k + __L <= __IC { __L } else if k < __IC { __IC - k } else { 0 }
+            };
+            let mut acc = [[__S::zero(); __V]; __R];
+            for j in 0..terms {
+                let gv: [__S; __R] = ::core::array::from_fn(|r| __S::splat(*g.add(r * gs + j * gj)));
+                for i in 0..__V {
+                    // The stripe is zero past `IC`: whole loads.
+                    let vv = __S::load(v.add(j * __V * __L + i * __L));
+                    for r in 0..__R {
+                        acc[r][i] = __S::fma(gv[r], vv, acc[r][i]);
+                    }
+                }
+            }
+            for r in 0..__R {
+                for i in 0..__V {
+                    let dst = out.add(r * __IC + k0 + i * __L);
+                    if __FULL {
+                        let value = if __ADD { __S::load(dst).add(acc[r][i]) } else { acc[r][i] };
+                        value.store(dst);
+                    } else if lanes(i) > 0 {
+                        let n = lanes(i);
+                        let value = if __ADD { __S::load_partial(dst, n).add(acc[r][i]) } else { acc[r][i] };
+                        value.store_partial(dst, n);
+                    }
+                }
+            }
+        }
+    };
+    let forward = dispatched(
+        spec.dtype,
+        "dense_forward",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote! {
+            x: &[__A], w: &[__A], b: &[__A], y: #rt::Shared<'_, __A>,
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            batch: ::core::ops::Range<usize>,
+        },
+        quote!(x, w, b, y, epilogue, batch),
+        quote! {
+            // Channels outside, rows inside: a block of `COLS` weight rows stays in L1 for
+            // every row (the whole of `w` does not stay in L2 beside the gradients).
+            let (xp, wp) = (x.as_ptr(), w.as_ptr());
+            let out = y.part(batch.start * __OC, batch.len() * __OC);
+            let mut c0 = 0;
+            while c0 < __OC {
+                let cs = if __OC - c0 < #cols { __OC - c0 } else { #cols };
+                let mut r0 = batch.start;
+                while r0 < batch.end {
+                    let rs = if batch.end - r0 < #rows { batch.end - r0 } else { #rows };
+                    let (xr, wc) = (xp.add(r0 * __IC), wp.add(c0 * __IC));
+                    let mut put = |r: usize, c: usize, v: __A| {
+                        out[(r0 + r - batch.start) * __OC + c0 + c] = b[c0 + c] + v;
+                    };
+                    match (rs, cs) {
+                        (3, 4) => __dense_tile::<__S, 3, 4>(xr, wc, &mut put),
+                        (3, 3) => __dense_tile::<__S, 3, 3>(xr, wc, &mut put),
+                        (3, 2) => __dense_tile::<__S, 3, 2>(xr, wc, &mut put),
+                        (3, _) => __dense_tile::<__S, 3, 1>(xr, wc, &mut put),
+                        (2, 4) => __dense_tile::<__S, 2, 4>(xr, wc, &mut put),
+                        (2, 3) => __dense_tile::<__S, 2, 3>(xr, wc, &mut put),
+                        (2, 2) => __dense_tile::<__S, 2, 2>(xr, wc, &mut put),
+                        (2, _) => __dense_tile::<__S, 2, 1>(xr, wc, &mut put),
+                        (_, 4) => __dense_tile::<__S, 1, 4>(xr, wc, &mut put),
+                        (_, 3) => __dense_tile::<__S, 1, 3>(xr, wc, &mut put),
+                        (_, 2) => __dense_tile::<__S, 1, 2>(xr, wc, &mut put),
+                        _ => __dense_tile::<__S, 1, 1>(xr, wc, &mut put),
+                    }
+                    r0 += #rows;
+                }
+                c0 += #cols;
+            }
+            epilogue(out, batch.start, batch.len());
+        },
+    );
+    // Rows of `dz` (or of `dz^T`: output channels) against rows of `w` (or `x`), `VECS`
+    // vectors at a time.
+    // One register tile of rows (or channels) `rows_expr`, against the stripe; `add` says
+    // whether it adds to `out` (else writes it).
+    let axpy_loop = |rows_expr: TokenStream, add: TokenStream| {
+        let call = |r: usize, full: bool, add: bool| {
+            let r = lit(r);
+            quote!(__dense_axpys::<__S, #r, #vecs, #full, #add>(g, gs, gj, terms, v, k0, dst))
+        };
+        let arms = [(3, true), (2, true), (1, true), (3, false), (2, false), (1, false)]
+            .into_iter()
+            .flat_map(|(r, full)| {
+                [true, false].map(|add| {
+                    let pattern = if r == 1 { quote!(_) } else { lit(r).into_token_stream() };
+                    let body = call(r, full, add);
+                    quote!((#pattern, #full, #add) => #body,)
+                })
+            });
+        quote! {
+            let full = k0 + #vecs * __L <= __IC;
+            match (#rows_expr, full, #add) {
+                #(#arms)*
+            }
+        }
+    };
+    let data_loop = axpy_loop(quote!(rs), quote!(add));
+    let data = dispatched(
+        spec.dtype,
+        "dense_data",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(dz: &[__A], w: &[__A], dx: #rt::Shared<'_, __A>, batch: ::core::ops::Range<usize>),
+        quote!(dz, w, dx, batch),
+        quote! {
+            // `dx[b] = sum_o dz[b][o] w[o]`, the channels in order, `CHUNK` at a time. Input
+            // stripes outside, rows inside: a stripe of `w` (copied, see `__dense_stripe`)
+            // stays in L1 for every row.
+            let out = dx.part(batch.start * __IC, batch.len() * __IC);
+            let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
+            let mut k0 = 0;
+            while k0 < __IC {
+                let mut o0 = 0;
+                while o0 < __OC {
+                    let terms = if __OC - o0 < __CHUNK { __OC - o0 } else { __CHUNK };
+                    __dense_stripe::<#vecs>(w.as_ptr().add(o0 * __IC), terms, k0, &mut stripe);
+                    let mut r0 = batch.start;
+                    while r0 < batch.end {
+                        let rs = if batch.end - r0 < #tile_rows { batch.end - r0 } else { #tile_rows };
+                        let (g, gs, gj, v) = (dz.as_ptr().add(r0 * __OC + o0), __OC, 1, stripe.as_ptr());
+                        let dst = out.as_mut_ptr().add((r0 - batch.start) * __IC);
+                        let add = o0 > 0;
+                        #data_loop
+                        r0 += #tile_rows;
+                    }
+                    o0 += __CHUNK;
+                }
+                k0 += #vecs * __L;
+            }
+        },
+    );
+    let weights_loop = axpy_loop(quote!(os), quote!(true));
+    let weights = dispatched(
+        spec.dtype,
+        "dense_weights",
+        TokenStream::new(),
+        TokenStream::new(),
+        quote!(x: &[__A], dz: &[__A], dw: #rt::Shared<'_, __A>, channels: ::core::ops::Range<usize>),
+        quote!(x, dz, dw, channels),
+        quote! {
+            // `dw[o] += sum_b dz[b][o] x[b]`, the batch in order, `CHUNK` rows at a time. Input
+            // stripes outside, channels inside: a stripe of `x` (copied, see
+            // `__dense_stripe`) stays in L1 for every channel.
+            let rows = dw.part(channels.start * __IC, channels.len() * __IC);
+            let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
+            let mut k0 = 0;
+            while k0 < __IC {
+                let mut b0 = 0;
+                while b0 < __BATCH {
+                    let terms = if __BATCH - b0 < __CHUNK { __BATCH - b0 } else { __CHUNK };
+                    __dense_stripe::<#vecs>(x.as_ptr().add(b0 * __IC), terms, k0, &mut stripe);
+                    let mut o0 = channels.start;
+                    while o0 < channels.end {
+                        let os = if channels.end - o0 < #tile_rows { channels.end - o0 } else { #tile_rows };
+                        let (g, gs, gj, v) = (dz.as_ptr().add(b0 * __OC + o0), 1, __OC, stripe.as_ptr());
+                        let dst = rows.as_mut_ptr().add((o0 - channels.start) * __IC);
+                        #weights_loop
+                        o0 += #tile_rows;
+                    }
+                    b0 += __CHUNK;
+                }
+                k0 += #vecs * __L;
+            }
+        },
+    );
+    let bias = super::backward::bias_gradient();
+    let pass = super::backward::pass_fn(
+        spec,
+        quote! {
+            let work = __BATCH * __IC * __OC;
+            let #rt::Workspace { scratch, pool, .. } = cpu.__workspace::<__A>(
+                #rt::PackKey { stamps: [0, 0], layout: 0 },
+                0,
+                |_, _| {},
+                __BATCH * __OC,
+            );
+            let dz = &mut scratch[..__BATCH * __OC];
+            __d_conv(pool, layer, state, d_output, mode, grads.as_deref_mut(), dz);
+            let dz: &[__A] = dz;
+            if let ::core::option::Option::Some(g) = grads {
+                #bias
+                let dw = #rt::Shared::new(g.weights.as_mut_slice());
+                pool.run(__OC.div_ceil(#tile_rows), work, &|_, tiles| {
+                    let channels = tiles.start * #tile_rows..if tiles.end * #tile_rows < __OC { tiles.end * #tile_rows } else { __OC };
+                    // SAFETY: the worker's own channels; the slices have the lengths the kernel
+                    // reads.
+                    unsafe { __dense_weights(x, dz, dw, channels) };
+                });
+            }
+            if let ::core::option::Option::Some(d_input) = d_input {
+                let dx = #rt::Shared::new(d_input);
+                let w = layer.weights.as_slice();
+                pool.run(__BATCH.div_ceil(#tile_rows), work, &|_, tiles| {
+                    let batch = tiles.start * #tile_rows..if tiles.end * #tile_rows < __BATCH { tiles.end * #tile_rows } else { __BATCH };
+                    // SAFETY: the worker's own rows; the slices have the lengths the kernel reads.
+                    unsafe { __dense_data(dz, w, dx, batch) };
+                });
+            }
+        },
+    );
+    quote! {
+        /// Dense layer + bias of `B` rows into `ya` (`None`: scratch), with
+        /// `epilogue(rows' results, first row, rows)` on each worker's rows while in cache.
+        /// `RELU` is applied by the epilogue's activation (the dense kernels keep no ReLU of
+        /// their own).
+        #[inline(always)]
+        fn __conv<const __B: usize, const __RELU: bool>(
+            cpu: &mut #rt::Cpu,
+            layer: &#layer,
+            x: &[__T],
+            ya: ::core::option::Option<&mut [__A]>,
+            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+        ) {
+            let work = __B * __IC * __OC;
+            let parts = cpu.__pool().workers(__B.div_ceil(#rows), work);
+            let y_scratch = if ya.is_some() { 0 } else { __B * __OC };
+            let ws = cpu.__workspace::<__A>(
+                #rt::PackKey { stamps: [0, 0], layout: 0 },
+                0,
+                |_, _| {},
+                y_scratch,
+            );
+            let pool = ws.pool;
+            let y: &mut [__A] = match ya {
+                ::core::option::Option::Some(y) => y,
+                ::core::option::Option::None => &mut ws.scratch[..__B * __OC],
+            };
+            let y = #rt::Shared::new(y);
+            let (w, b) = (layer.weights.as_slice(), layer.biases.as_slice());
+            let relu = |out: &mut [__A], q0: usize, n: usize| {
+                if __RELU {
+                    for v in out.iter_mut() {
+                        *v = if *v > 0.0 { *v } else { 0.0 };
+                    }
+                }
+                epilogue(out, q0, n);
+            };
+            pool.run(parts, work, &|_, range| {
+                let batch = range.start * __B / parts..range.end * __B / parts;
+                if batch.is_empty() {
+                    return;
+                }
+                // SAFETY: the worker's own rows; the slices have the lengths the kernel reads.
+                unsafe { __dense_forward(x, w, b, y, &relu, batch) };
+            });
+        }
+
+        /// Terms (channels, or batch rows) of a gradient's stripe.
+        const __CHUNK: usize = 64;
+
+        #tiles
+        #forward
+        #data
+        #weights
+        #pass
+    }
+}

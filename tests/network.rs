@@ -1,0 +1,379 @@
+//! `network!` against an independent float64 reference: a network mixing every kind (conv with
+//! and without BatchNorm, max and average pooling with padding and overlapping windows, a
+//! residual block, an activation entry, `Flatten`, two `Dense` layers), through `evaluate`,
+//! `forward` and `backward_full` in both modes, every output, gradient and running statistic;
+//! the reference is this file's own loops plus the layer reference of tests/common. Also: the
+//! contract of API.md (names, shapes, constants, accumulation, `backward` == `backward_full`'s
+//! parameter part), the same bits on any number of threads, and one Adam step on the whole
+//! network.
+
+#[macro_use]
+mod common;
+
+use common::{assert_close, Activation, Norm, Params, Spec, SplitMix64};
+use conv_runtime::prelude::*;
+
+conv_runtime::network! {
+    /// Every kind of entry, in f64 for a tight comparison.
+    pub struct Mixed {
+        input: [9, 9, 3],
+        batch: 2,
+        dtype: f64,
+        layers: [
+            c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Tanh },
+            p1: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+            r1: Residual {
+                layers: [
+                    c2: Conv2d {
+                        out_channels: 4, kernel: 3, padding: 1, activation: Relu,
+                        norm: BatchNorm { momentum: 0.2, eps: 1e-3 },
+                    },
+                    a: Activation(Gelu),
+                ],
+            },
+            p2: AvgPool2d { kernel: 2, stride: 1 },
+            flat: Flatten,
+            fc: Dense { out_features: 5, activation: Sigmoid },
+            q: Dense { out_features: 3 },
+        ],
+    }
+}
+
+/// The layer reference's spec of a conv entry.
+fn conv(input: [usize; 3], oc: usize, kernel: usize, padding: usize, activation: Activation, norm: Norm) -> Spec {
+    Spec {
+        input,
+        out_channels: oc,
+        kernel: [kernel, kernel],
+        stride: [1, 1],
+        padding: [padding, padding],
+        activation,
+        norm,
+        batch: 2,
+    }
+}
+
+fn dense(features: usize, out: usize, activation: Activation) -> Spec {
+    conv([1, 1, features], out, 1, 0, activation, Norm::None)
+}
+
+/// A layer's parameters, by the network's names.
+fn params(net: &Mixed, entry: &str) -> Params {
+    let mut p = Params::default();
+    net.visit(&mut |name, v| {
+        let v: Vec<f64> = v.to_vec();
+        match name.strip_prefix(entry).and_then(|n| n.strip_prefix('.')) {
+            Some("weights") => p.weights = v,
+            Some("biases") => p.biases = v,
+            Some("gamma") => p.gamma = v,
+            Some("beta") => p.beta = v,
+            _ => {}
+        }
+    });
+    let mut copy = net.clone();
+    copy.visit_buffers_mut(&mut |name, b| {
+        let v: Vec<f64> = b.values().to_vec();
+        match name.strip_prefix(entry).and_then(|n| n.strip_prefix('.')) {
+            Some("running_mean") => p.running_mean = v,
+            Some("running_var") => p.running_var = v,
+            _ => {}
+        }
+    });
+    p
+}
+
+/// Pooling of `[batch, h, w, c]`, `max` or average (divisor the window's area); the winners'
+/// indices for max.
+fn pool(
+    x: &[f64],
+    [h, w, c]: [usize; 3],
+    k: usize,
+    s: usize,
+    p: usize,
+    max: bool,
+) -> (Vec<f64>, Vec<usize>) {
+    let batch = x.len() / (h * w * c);
+    let (oh, ow) = ((h + 2 * p - k) / s + 1, (w + 2 * p - k) / s + 1);
+    let mut y = vec![0.0; batch * oh * ow * c];
+    let mut win = vec![0; y.len()];
+    for b in 0..batch {
+        for i in 0..oh {
+            for j in 0..ow {
+                for ch in 0..c {
+                    let (mut best, mut at, mut sum) = (f64::NEG_INFINITY, 0, 0.0);
+                    for di in 0..k {
+                        for dj in 0..k {
+                            let (r, q) = ((i * s + di) as isize - p as isize, (j * s + dj) as isize - p as isize);
+                            if r < 0 || q < 0 || r >= h as isize || q >= w as isize {
+                                continue;
+                            }
+                            let idx = ((b * h + r as usize) * w + q as usize) * c + ch;
+                            sum += x[idx];
+                            if x[idx] > best {
+                                best = x[idx];
+                                at = idx;
+                            }
+                        }
+                    }
+                    let o = ((b * oh + i) * ow + j) * c + ch;
+                    y[o] = if max { best } else { sum / (k * k) as f64 };
+                    win[o] = at;
+                }
+            }
+        }
+    }
+    (y, win)
+}
+
+/// The gradient of `pool` at its input.
+fn pool_backward(
+    dy: &[f64],
+    win: &[usize],
+    [h, w, c]: [usize; 3],
+    k: usize,
+    s: usize,
+    p: usize,
+    max: bool,
+    batch: usize,
+) -> Vec<f64> {
+    let mut dx = vec![0.0; batch * h * w * c];
+    let (oh, ow) = ((h + 2 * p - k) / s + 1, (w + 2 * p - k) / s + 1);
+    for b in 0..batch {
+        for i in 0..oh {
+            for j in 0..ow {
+                for ch in 0..c {
+                    let o = ((b * oh + i) * ow + j) * c + ch;
+                    if max {
+                        dx[win[o]] += dy[o];
+                        continue;
+                    }
+                    for di in 0..k {
+                        for dj in 0..k {
+                            let (r, q) = ((i * s + di) as isize - p as isize, (j * s + dj) as isize - p as isize);
+                            if r >= 0 && q >= 0 && r < h as isize && q < w as isize {
+                                dx[((b * h + r as usize) * w + q as usize) * c + ch] += dy[o] / (k * k) as f64;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+    }
+    dx
+}
+
+/// Everything the reference computes for one pass.
+struct Reference {
+    output: Vec<f64>,
+    d_input: Vec<f64>,
+    /// `(name, gradient)` in `Parameters` order.
+    grads: Vec<(String, Vec<f64>)>,
+    /// c2's running statistics after the pass.
+    running: (Vec<f64>, Vec<f64>),
+}
+
+fn reference(net: &Mixed, x: &[f64], dy: &[f64], train: bool) -> Reference {
+    let bn = Norm::Batch { momentum: 0.2, eps: 1e-3 };
+    let s1 = conv([9, 9, 3], 4, 3, 1, Activation::Tanh, Norm::None);
+    let s2 = conv([5, 5, 4], 4, 3, 1, Activation::Relu, bn);
+    let s_fc = dense(64, 5, Activation::Sigmoid);
+    let s_q = dense(5, 3, Activation::Identity);
+    let (p1, p2, pfc, pq) = (params(net, "c1"), params(net, "r1.c2"), params(net, "fc"), params(net, "q"));
+    // Forward.
+    let f1 = common::forward(&s1, &p1, x, train);
+    let (y1, win) = pool(&f1.output, [9, 9, 4], 3, 2, 1, true);
+    let f2 = common::forward(&s2, &p2, &y1, train);
+    let ya: Vec<f64> = f2.output.iter().map(|&v| Activation::Gelu.apply(v)).collect();
+    let r: Vec<f64> = y1.iter().zip(&ya).map(|(a, b)| a + b).collect();
+    let (y2, _) = pool(&r, [5, 5, 4], 2, 1, 0, false);
+    let ffc = common::forward(&s_fc, &pfc, &y2, train);
+    let fq = common::forward(&s_q, &pq, &ffc.output, train);
+    // Backward.
+    let gq = common::backward(&s_q, &pq, &ffc.output, &fq, dy, train);
+    let gfc = common::backward(&s_fc, &pfc, &y2, &ffc, &gq.d_input, train);
+    let dr = pool_backward(&gfc.d_input, &[], [5, 5, 4], 2, 1, 0, false, 2);
+    let dya: Vec<f64> = dr.iter().zip(&f2.output).map(|(d, &v)| d * Activation::Gelu.derivative(v)).collect();
+    let g2 = common::backward(&s2, &p2, &y1, &f2, &dya, train);
+    let dy1: Vec<f64> = dr.iter().zip(&g2.d_input).map(|(a, b)| a + b).collect();
+    let dc1 = pool_backward(&dy1, &win, [9, 9, 4], 3, 2, 1, true, 2);
+    let g1 = common::backward(&s1, &p1, x, &f1, &dc1, train);
+    let grads = vec![
+        ("c1.weights".to_string(), g1.d_weights),
+        ("c1.biases".to_string(), g1.d_biases),
+        ("r1.c2.weights".to_string(), g2.d_weights),
+        ("r1.c2.biases".to_string(), g2.d_biases),
+        ("r1.c2.gamma".to_string(), g2.d_gamma),
+        ("r1.c2.beta".to_string(), g2.d_beta),
+        ("fc.weights".to_string(), gfc.d_weights),
+        ("fc.biases".to_string(), gfc.d_biases),
+        ("q.weights".to_string(), gq.d_weights),
+        ("q.biases".to_string(), gq.d_biases),
+    ];
+    Reference {
+        output: fq.output,
+        d_input: g1.d_input,
+        grads,
+        running: (f2.running_mean, f2.running_var),
+    }
+}
+
+fn data() -> (MixedInput<2>, MixedOutput<2>) {
+    let mut rng = SplitMix64::new(17);
+    let x = MixedInput::<2>::from_vec(rng.values(MixedInput::<2>::LEN)).unwrap();
+    let dy = MixedOutput::<2>::from_vec(rng.values(MixedOutput::<2>::LEN)).unwrap();
+    (x, dy)
+}
+
+/// `(name, gradient)` of every parameter, in visiting order.
+fn gradients(net: &Mixed, grads: &MixedGrads) -> Vec<(String, Vec<f64>)> {
+    let mut all = Vec::new();
+    net.clone().visit_mut(grads, &mut |name, _, g| all.push((name.to_string(), g.to_vec())));
+    all
+}
+
+#[test]
+fn every_operation_matches_the_reference() {
+    let (x, dy) = data();
+    for mode in [Mode::Train, Mode::Eval] {
+        let train = mode == Mode::Train;
+        let mut net = Mixed::new(&mut Rng::seed_from_u64(3));
+        // Running statistics away from their initial values, so that Eval uses something.
+        net.r1.c2.running_mean = Vector::from_fn(|i| 0.1 * i as f64 - 0.1);
+        net.r1.c2.running_var = Vector::from_fn(|i| 0.5 + 0.25 * i as f64);
+        let expected = reference(&net, x.as_slice(), dy.as_slice(), train);
+        let mut cpu = common::cpu();
+        let mut state = MixedState::new();
+        let before = net.clone();
+        net.forward(&mut cpu, &x, &mut state, mode).unwrap();
+        assert_close("forward", state.output().as_slice(), &expected.output, 1e-9);
+        let running = (net.r1.c2.running_mean.as_slice().to_vec(), net.r1.c2.running_var.as_slice().to_vec());
+        if train {
+            assert_close("running mean", &running.0, &expected.running.0, 1e-9);
+            assert_close("running var", &running.1, &expected.running.1, 1e-9);
+        } else {
+            assert_eq!(running.0, before.r1.c2.running_mean.as_slice(), "Eval changed the running mean");
+        }
+        let mut grads = MixedGrads::zeros();
+        let mut d_input = MixedInput::<2>::zeros();
+        net.backward_full(&mut cpu, &state, &x, &dy, &mut d_input, &mut grads, mode).unwrap();
+        assert_close("d_input", d_input.as_slice(), &expected.d_input, 1e-9);
+        let got = gradients(&net, &grads);
+        assert_eq!(
+            got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+            expected.grads.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+        );
+        for ((name, g), (_, e)) in got.iter().zip(&expected.grads) {
+            // BatchNorm in training mode: the bias gradient is zero up to rounding.
+            let tolerance = if train && name == "r1.c2.biases" { 1e-8 } else { 1e-9 };
+            assert_close(name, g, e, tolerance);
+        }
+        // `backward` adds the same parameter gradients.
+        net.backward(&mut cpu, &state, &x, &dy, &mut grads, mode).unwrap();
+        for ((name, g), (_, e)) in gradients(&net, &grads).iter().zip(&got) {
+            let doubled: Vec<f64> = e.iter().map(|v| 2.0 * v).collect();
+            assert_close(&format!("{name} accumulated"), g, &doubled, 1e-12);
+        }
+    }
+}
+
+#[test]
+fn evaluate_is_the_eval_forward_at_any_batch() {
+    let (x, _) = data();
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(4));
+    net.r1.c2.running_var = Vector::from_fn(|i| 0.5 + 0.25 * i as f64);
+    let expected = reference(&net, x.as_slice(), &vec![0.0; MixedOutput::<2>::LEN], false);
+    let mut cpu = common::cpu();
+    let mut y = MixedOutput::<2>::zeros();
+    net.evaluate(&mut cpu, &x, &mut y).unwrap();
+    assert_close("evaluate", y.as_slice(), &expected.output, 1e-9);
+    // One sample at a time: the same rows.
+    let x1 = MixedInput::<1>::from_vec(x.as_slice()[243..].to_vec()).unwrap();
+    let mut y1 = MixedOutput::<1>::zeros();
+    net.evaluate(&mut cpu, &x1, &mut y1).unwrap();
+    assert_close("evaluate, batch 1", y1.as_slice(), &expected.output[3..], 1e-9);
+}
+
+#[test]
+fn the_contract_of_api_md() {
+    assert_eq!((Mixed::INPUT_HEIGHT, Mixed::INPUT_WIDTH, Mixed::INPUT_CHANNELS), (9, 9, 3));
+    assert_eq!((Mixed::OUTPUT_FEATURES, Mixed::BATCH_SIZE), (3, 2));
+    let net = Mixed::new(&mut Rng::seed_from_u64(1));
+    assert_eq!(Mixed::PARAMETER_COUNT, net.parameter_count());
+    // Dense weights are [out, in] as PyTorch's, the conv weights OHWI.
+    let mut shapes = Vec::new();
+    net.clone().visit_params_mut(&mut |name, t| shapes.push((name.to_string(), t.shape().to_vec())));
+    assert_eq!(
+        shapes,
+        [
+            ("c1.weights", vec![4, 3, 3, 3]),
+            ("c1.biases", vec![4]),
+            ("r1.c2.weights", vec![4, 3, 3, 4]),
+            ("r1.c2.biases", vec![4]),
+            ("r1.c2.gamma", vec![4]),
+            ("r1.c2.beta", vec![4]),
+            ("fc.weights", vec![5, 64]),
+            ("fc.biases", vec![5]),
+            ("q.weights", vec![3, 5]),
+            ("q.biases", vec![3]),
+        ]
+        .map(|(n, s)| (n.to_string(), s))
+    );
+    let mut buffers = Vec::new();
+    net.clone().visit_buffers_mut(&mut |name, _| buffers.push(name.to_string()));
+    assert_eq!(buffers, ["r1.c2.running_mean", "r1.c2.running_var"]);
+}
+
+#[test]
+fn the_same_bits_on_any_number_of_threads() {
+    let (x, dy) = data();
+    let run = |cpu: &mut Cpu| {
+        let mut net = Mixed::new(&mut Rng::seed_from_u64(5));
+        let mut state = MixedState::new();
+        net.forward(cpu, &x, &mut state, Mode::Train).unwrap();
+        let (mut grads, mut d_input) = (MixedGrads::zeros(), MixedInput::<2>::zeros());
+        net.backward_full(cpu, &state, &x, &dy, &mut d_input, &mut grads, Mode::Train).unwrap();
+        let mut y = MixedOutput::<2>::zeros();
+        net.evaluate(cpu, &x, &mut y).unwrap();
+        let mut all = vec![state.output().as_slice().to_vec(), d_input.as_slice().to_vec(), y.as_slice().to_vec()];
+        all.extend(gradients(&net, &grads).into_iter().map(|(_, g)| g));
+        all
+    };
+    let one = run(&mut Cpu::default());
+    for threads in [2, 3, 7] {
+        let mut cpu = Cpu::with_threads(threads).unwrap().__split_everything();
+        let many = run(&mut cpu);
+        for (a, b) in one.iter().zip(&many) {
+            assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()), "{threads} threads");
+        }
+    }
+}
+
+#[test]
+fn adam_steps_the_whole_network() {
+    let (x, dy) = data();
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(6));
+    let before = net.clone();
+    let mut cpu = Cpu::default();
+    let mut state = MixedState::new();
+    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+    let mut grads = MixedGrads::zeros();
+    net.backward(&mut cpu, &state, &x, &dy, &mut grads, Mode::Train).unwrap();
+    let mut adam = Adam::new(1e-2);
+    adam.step(&mut net, &grads);
+    let mut changed = Vec::new();
+    let mut old = Vec::new();
+    before.visit(&mut |_, v| old.push(v.to_vec()));
+    let mut i = 0;
+    net.visit(&mut |name, v| {
+        if v != old[i].as_slice() {
+            changed.push(name.to_string());
+        }
+        i += 1;
+    });
+    // Every parameter moved (the first Adam step moves each by about lr).
+    assert_eq!(changed.len(), 10, "{changed:?}");
+    grads.zero();
+    let mut zero = true;
+    net.clone().visit_mut(&grads, &mut |_, _, g| zero &= g.iter().all(|&v| v == 0.0));
+    assert!(zero);
+}
