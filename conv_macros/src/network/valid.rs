@@ -57,6 +57,10 @@ pub fn validate(input: ast::Input) -> syn::Result<Network> {
     });
     let layers = match get("layers") {
         Some(Value::List { entries, span }) => Some((entries, *span)),
+        Some(Value::Array { items, span }) if items.is_empty() => {
+            cx.error(*span, "a network needs at least one layer: `layers: [name: Kind, ...]`");
+            None
+        }
         Some(other) => {
             cx.at(
                 other,
