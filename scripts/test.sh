@@ -35,8 +35,13 @@ CONV2D_SIMD=avx2 run cargo test --release --test conformance_training --test spe
 # parallel paths meet the references too (tests/threads.rs holds them to the 1-thread bits).
 CONV2D_TEST_THREADS=2 run cargo test --release --features onednn,cuda --test conformance_forward \
     --test conformance_training --test specs_forward --test half_conformance --test half_specs \
-    --test gradcheck --test training
+    --test gradcheck --test training --test network
+# The CUDA backend's device suite without a GPU, against the host stand-ins of the driver, NVRTC
+# and cuDNN (cuda_stand_in/): threads in order, permuted, and without cuDNN.
+run scripts/cuda-stand-in.sh
 # The main example in its short mode: exits non-zero unless the network learned.
 run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
 run cargo run --release --example train_digits -- --quick --threads 2
 run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors
+# DQN on MinAtar Breakout in its short mode: exits non-zero unless the agent beats random play.
+run cargo run --release --example dqn_minatar -- --quick --threads 2 --plot target/ci/dqn_minatar.png --save target/ci/dqn_minatar.safetensors

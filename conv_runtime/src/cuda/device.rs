@@ -167,6 +167,9 @@ impl LayerSetup {
         if let Some((_, d)) = all.iter().find(|(b, _)| *b == batch) {
             return Ok(d.clone());
         }
+        // Descriptors are cuDNN's: load it first, so that its absence is an error, not a panic
+        // in the loader.
+        load_cudnn()?;
         let d = Arc::new(Descriptors::new(&geometry, batch)?);
         all.push((batch, d.clone()));
         Ok(d)
@@ -276,6 +279,7 @@ macro_rules! descriptor {
 
         impl $name {
             fn new() -> Result<Self> {
+                load_cudnn()?;
                 let mut raw = std::ptr::null_mut();
                 // SAFETY: a valid out-pointer.
                 cudnn(stringify!($create), unsafe { dnn::$create(&mut raw) })?;
