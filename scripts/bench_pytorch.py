@@ -23,6 +23,11 @@ and, with several counts, `BENCH_SCALING` lines (speedup over the first count) a
 prints them.
 
     python3 scripts/bench_pytorch.py [FILTER] [--threads 1,2] [--quick]
+
+With `--networks`, the whole networks of `examples/bench_networks.rs` instead (the Nature DQN,
+the IMPALA CNN, MinAtar's DQN, as `nn.Sequential`, channels_last): `act` is one action
+(`evaluate` at batch 1, inference mode), `train_step` forward, backward from a fixed output
+gradient and one Adam step at batch 32, printing `BENCH_JSON` lines with that example's fields.
 """
 
 import argparse
@@ -82,11 +87,99 @@ def layer(torch, ic, oc, k, s, p, activation, batch_norm):
     return torch.nn.Sequential(*modules).to(memory_format=torch.channels_last)
 
 
+class Residual:
+    """`x + f(x)`, built lazily so that `torch` is imported only when present."""
+
+    @staticmethod
+    def make(torch, *layers):
+        class Block(torch.nn.Module):
+            def __init__(self):
+                super().__init__()
+                self.f = torch.nn.Sequential(*layers)
+
+            def forward(self, x):
+                return x + self.f(x)
+
+        return Block()
+
+
+def networks(torch):
+    """The networks of examples/bench_networks.rs: name, input [H, W, C], model."""
+    nn = torch.nn
+
+    def impala_stack(ic, oc):
+        def block():
+            return Residual.make(torch, nn.ReLU(), nn.Conv2d(oc, oc, 3, padding=1), nn.ReLU(),
+                                 nn.Conv2d(oc, oc, 3, padding=1))
+        return [nn.Conv2d(ic, oc, 3, padding=1), nn.MaxPool2d(3, 2, padding=1), block(), block()]
+
+    nature = nn.Sequential(
+        nn.Conv2d(4, 32, 8, stride=4), nn.ReLU(), nn.Conv2d(32, 64, 4, stride=2), nn.ReLU(),
+        nn.Conv2d(64, 64, 3), nn.ReLU(), nn.Flatten(), nn.Linear(7 * 7 * 64, 512), nn.ReLU(),
+        nn.Linear(512, 6))
+    impala = nn.Sequential(
+        *impala_stack(3, 16), *impala_stack(16, 32), *impala_stack(32, 32), nn.ReLU(),
+        nn.Flatten(), nn.Linear(8 * 8 * 32, 256), nn.ReLU(), nn.Linear(256, 15))
+    minatar = nn.Sequential(
+        nn.Conv2d(4, 16, 3), nn.ReLU(), nn.Flatten(), nn.Linear(8 * 8 * 16, 128), nn.ReLU(),
+        nn.Linear(128, 3))
+    return [("nature_dqn", (84, 84, 4), nature), ("impala", (64, 64, 3), impala),
+            ("minatar_dqn", (10, 10, 4), minatar)]
+
+
+def bench_networks(torch, args, target, repetitions):
+    print(f"{'network':<13} {'op':<11} {'batch':>5} {'threads':>7} {'us/call':>12} {'spread':>7}")
+    rows = []
+    for name, (h, w, c), model in networks(torch):
+        if args.filter and args.filter not in name:
+            continue
+        model = model.to(memory_format=torch.channels_last)
+        optimizer = torch.optim.Adam(model.parameters(), lr=1e-4)
+        for threads in args.threads:
+            torch.set_num_threads(threads)
+
+            def record(op, batch, f):
+                samples = sorted(measure(target, repetitions, f))
+                median = samples[len(samples) // 2]
+                spread = (samples[-1] - samples[0]) / median
+                print(f"{name:<13} {op:<11} {batch:>5} {threads:>7} {median * 1e6:>12.1f} "
+                      f"{100 * spread:>6.1f}%", flush=True)
+                rows.append({"network": name, "op": op, "batch": batch, "backend": "pytorch",
+                             "threads": threads, "us": round(median * 1e6, 2),
+                             "spread": round(spread, 4)})
+
+            model.eval()
+            x1 = torch.rand(1, c, h, w).contiguous(memory_format=torch.channels_last)
+
+            def act():
+                with torch.inference_mode():
+                    model(x1).argmax(dim=1)
+
+            record("act", 1, act)
+            model.train()
+            x = torch.rand(32, c, h, w).contiguous(memory_format=torch.channels_last)
+            with torch.no_grad():
+                d_output = torch.rand_like(model(x)).mul_(2).sub_(1).mul_(1e-3)
+
+            def train_step():
+                optimizer.zero_grad(set_to_none=False)
+                model(x).backward(d_output)
+                optimizer.step()
+
+            record("train_step", 32, train_step)
+    print()
+    for row in rows:
+        print("BENCH_JSON " + json.dumps(row, separators=(",", ":")))
+    return 0
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("filter", nargs="?", help="keep only shapes whose name contains this")
     parser.add_argument("--threads", type=parse_counts, default=[1], help="e.g. 1,2")
     parser.add_argument("--quick", action="store_true", help="shorter, less precise timing")
+    parser.add_argument("--networks", action="store_true",
+                        help="the whole networks of examples/bench_networks.rs")
     args = parser.parse_args()
 
     try:
@@ -100,6 +193,8 @@ def main():
           f"timing: median of {repetitions} repetitions of ~{target:.2f} s each; "
           f"threads: {', '.join(map(str, args.threads))}\n")
     torch.manual_seed(42)
+    if args.networks:
+        return bench_networks(torch, args, target, repetitions)
     header = f"{'shape':<11} {'op':<13} {'batch':>5} {'thr':>3} {'MFLOP':>9} {'us/call':>11} " \
              f"{'spread':>7} {'GFLOP/s':>9}"
     print(header)

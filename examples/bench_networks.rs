@@ -1,0 +1,234 @@
+//! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action
+//! (`evaluate` at batch 1) and the training step at batch 32 (`forward` + `backward` + one Adam
+//! step over the whole network), at each thread count.
+//!
+//! ```sh
+//! cargo run --release --example bench_networks -- --threads 1,2
+//! ```
+//!
+//! Prints a table (median of 5 repetitions of about 0.3 s each, and the repetitions' spread)
+//! and one `BENCH_JSON` line per row. `scripts/bench_pytorch.py --networks` times PyTorch's same
+//! `nn.Sequential` networks and prints the same lines with `"backend": "pytorch"`.
+
+use std::hint::black_box;
+use std::process::ExitCode;
+use std::time::Instant;
+
+use conv_runtime::prelude::*;
+
+conv_runtime::network! {
+    /// The Nature DQN (Mnih et al. 2015): 84x84x4 frames, 6 actions.
+    pub struct NatureDqn {
+        input: [84, 84, 4],
+        batch: 32,
+        layers: [
+            conv1: Conv2d { out_channels: 32, kernel: 8, stride: 4, activation: Relu },
+            conv2: Conv2d { out_channels: 64, kernel: 4, stride: 2, activation: Relu },
+            conv3: Conv2d { out_channels: 64, kernel: 3, activation: Relu },
+            flat: Flatten,
+            fc: Dense { out_features: 512, activation: Relu },
+            q: Dense { out_features: 6 },
+        ],
+    }
+}
+
+conv_runtime::network! {
+    /// The IMPALA CNN (Espeholt et al. 2018): 64x64x3 frames, three stacks of conv 3x3, max-pool
+    /// 3/2 and two residual blocks (16, 32, 32 channels), dense 256, 15 actions (Procgen's).
+    pub struct Impala {
+        input: [64, 64, 3],
+        batch: 32,
+        layers: [
+            conv1: Conv2d { out_channels: 16, kernel: 3, padding: 1 },
+            pool1: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+            res1a: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 16, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 16, kernel: 3, padding: 1 },
+            ] },
+            res1b: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 16, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 16, kernel: 3, padding: 1 },
+            ] },
+            conv2: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            pool2: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+            res2a: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 32, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            ] },
+            res2b: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 32, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            ] },
+            conv3: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            pool3: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+            res3a: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 32, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            ] },
+            res3b: Residual { layers: [
+                a1: Activation(Relu),
+                c1: Conv2d { out_channels: 32, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 32, kernel: 3, padding: 1 },
+            ] },
+            relu: Activation(Relu),
+            flat: Flatten,
+            fc: Dense { out_features: 256, activation: Relu },
+            logits: Dense { out_features: 15 },
+        ],
+    }
+}
+
+conv_runtime::network! {
+    /// MinAtar's DQN network (Young and Tian 2019): a 10x10x4 state, 3 actions.
+    pub struct MinAtarDqn {
+        input: [10, 10, 4],
+        batch: 32,
+        layers: [
+            conv: Conv2d { out_channels: 16, kernel: 3, activation: Relu },
+            flat: Flatten,
+            fc: Dense { out_features: 128, activation: Relu },
+            q: Dense { out_features: 3 },
+        ],
+    }
+}
+
+/// Median and spread ((max - min) / median) of 5 repetitions of about 0.3 s each, in
+/// microseconds per call, after a warm-up.
+fn time(mut f: impl FnMut() -> conv_runtime::Result<()>) -> conv_runtime::Result<(f64, f64)> {
+    let start = Instant::now();
+    let mut calls = 0u32;
+    while start.elapsed().as_secs_f64() < 0.1 || calls < 3 {
+        f()?;
+        calls += 1;
+    }
+    let per_call = start.elapsed().as_secs_f64() / f64::from(calls);
+    let n = ((0.3 / per_call) as u32).max(3);
+    let mut reps = Vec::new();
+    for _ in 0..5 {
+        let t = Instant::now();
+        for _ in 0..n {
+            f()?;
+        }
+        reps.push(t.elapsed().as_secs_f64() * 1e6 / f64::from(n));
+    }
+    reps.sort_by(f64::total_cmp);
+    let median = reps[2];
+    Ok((median, (reps[4] - reps[0]) / median))
+}
+
+/// Times one network at one thread count: a row per operation.
+macro_rules! bench_network {
+    ($net:ident, $grads:ident, $state:ident, $input:ident, $output:ident, $name:expr, $threads:expr) => {{
+        let threads: usize = $threads;
+        let mut cpu = Cpu::with_threads(threads)?;
+        let mut rng = Rng::seed_from_u64(1);
+        let mut net = $net::new(&mut rng);
+        let x1 = $input::<1>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
+        let mut y1 = $output::<1>::zeros();
+        let act = time(|| net.evaluate(&mut cpu, black_box(&x1), &mut y1))?;
+        let x = $input::<32>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
+        let d_output = $output::<32>::from_vec(
+            (0..$output::<32>::LEN).map(|i| ((i % 7) as f32 - 3.0) * 1e-3).collect(),
+        )?;
+        let (mut grads, mut state) = ($grads::zeros(), $state::new());
+        let mut adam = Adam::new(1e-4);
+        let step = time(|| {
+            net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
+            grads.zero();
+            net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
+            adam.step(&mut net, &grads);
+            Ok(())
+        })?;
+        [
+            Row { network: $name, op: "act", batch: 1, threads, us: act.0, spread: act.1 },
+            Row { network: $name, op: "train_step", batch: 32, threads, us: step.0, spread: step.1 },
+        ]
+    }};
+}
+
+struct Row {
+    network: &'static str,
+    op: &'static str,
+    batch: usize,
+    threads: usize,
+    us: f64,
+    spread: f64,
+}
+
+fn run(threads: &[usize], filter: Option<&str>) -> conv_runtime::Result<Vec<Row>> {
+    let mut rows = Vec::new();
+    let wanted = |name: &str| filter.is_none_or(|f| name.contains(f));
+    for &t in threads {
+        if wanted("nature_dqn") {
+            rows.extend(bench_network!(NatureDqn, NatureDqnGrads, NatureDqnState, NatureDqnInput, NatureDqnOutput, "nature_dqn", t));
+        }
+        if wanted("impala") {
+            rows.extend(bench_network!(Impala, ImpalaGrads, ImpalaState, ImpalaInput, ImpalaOutput, "impala", t));
+        }
+        if wanted("minatar_dqn") {
+            rows.extend(bench_network!(MinAtarDqn, MinAtarDqnGrads, MinAtarDqnState, MinAtarDqnInput, MinAtarDqnOutput, "minatar_dqn", t));
+        }
+    }
+    Ok(rows)
+}
+
+fn parse_threads(text: &str) -> Result<Vec<usize>, String> {
+    text.split(',')
+        .map(|t| match t.trim().parse::<usize>() {
+            Ok(n) if n > 0 => Ok(n),
+            _ => Err(format!("--threads takes positive counts like 1,2, not `{text}`")),
+        })
+        .collect()
+}
+
+fn main() -> ExitCode {
+    let mut threads = vec![1];
+    let mut filter = None;
+    let mut args = std::env::args().skip(1);
+    while let Some(arg) = args.next() {
+        match arg.as_str() {
+            "--threads" => match args.next().as_deref().map(parse_threads) {
+                Some(Ok(t)) => threads = t,
+                Some(Err(e)) => {
+                    eprintln!("{e}");
+                    return ExitCode::FAILURE;
+                }
+                None => {
+                    eprintln!("--threads needs a value, e.g. --threads 1,2");
+                    return ExitCode::FAILURE;
+                }
+            },
+            "--help" | "-h" => {
+                println!("usage: bench_networks [--threads 1,2] [NAME_FILTER]");
+                return ExitCode::SUCCESS;
+            }
+            other => filter = Some(other.to_string()),
+        }
+    }
+    let rows = match run(&threads, filter.as_deref()) {
+        Ok(rows) => rows,
+        Err(e) => {
+            eprintln!("bench_networks: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    println!("network       op          batch threads      us/call  spread");
+    for r in &rows {
+        println!(
+            "{:<13} {:<11} {:>5} {:>7} {:>12.1} {:>6.1}%",
+            r.network, r.op, r.batch, r.threads, r.us, r.spread * 100.0
+        );
+    }
+    for r in &rows {
+        println!(
+            "BENCH_JSON {{\"network\":\"{}\",\"op\":\"{}\",\"batch\":{},\"backend\":\"cpu\",\"threads\":{},\"us\":{:.2},\"spread\":{:.4}}}",
+            r.network, r.op, r.batch, r.threads, r.us, r.spread
+        );
+    }
+    ExitCode::SUCCESS
+}
