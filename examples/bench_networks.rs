@@ -133,7 +133,9 @@ macro_rules! bench_network {
         let act = time(|| net.evaluate(&mut cpu, black_box(&x1), &mut y1))?;
         let x = $input::<32>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
         let d_output = $output::<32>::from_vec(
-            (0..$output::<32>::LEN).map(|i| ((i % 7) as f32 - 3.0) * 1e-3).collect(),
+            (0..$output::<32>::LEN)
+                .map(|i| ((i % 7) as f32 - 3.0) * 1e-3)
+                .collect(),
         )?;
         let (mut grads, mut state) = ($grads::zeros(), $state::new());
         let mut adam = Adam::new(1e-4);
@@ -145,8 +147,22 @@ macro_rules! bench_network {
             Ok(())
         })?;
         [
-            Row { network: $name, op: "act", batch: 1, threads, us: act.0, spread: act.1 },
-            Row { network: $name, op: "train_step", batch: 32, threads, us: step.0, spread: step.1 },
+            Row {
+                network: $name,
+                op: "act",
+                batch: 1,
+                threads,
+                us: act.0,
+                spread: act.1,
+            },
+            Row {
+                network: $name,
+                op: "train_step",
+                batch: 32,
+                threads,
+                us: step.0,
+                spread: step.1,
+            },
         ]
     }};
 }
@@ -165,13 +181,37 @@ fn run(threads: &[usize], filter: Option<&str>) -> conv_runtime::Result<Vec<Row>
     let wanted = |name: &str| filter.is_none_or(|f| name.contains(f));
     for &t in threads {
         if wanted("nature_dqn") {
-            rows.extend(bench_network!(NatureDqn, NatureDqnGrads, NatureDqnState, NatureDqnInput, NatureDqnOutput, "nature_dqn", t));
+            rows.extend(bench_network!(
+                NatureDqn,
+                NatureDqnGrads,
+                NatureDqnState,
+                NatureDqnInput,
+                NatureDqnOutput,
+                "nature_dqn",
+                t
+            ));
         }
         if wanted("impala") {
-            rows.extend(bench_network!(Impala, ImpalaGrads, ImpalaState, ImpalaInput, ImpalaOutput, "impala", t));
+            rows.extend(bench_network!(
+                Impala,
+                ImpalaGrads,
+                ImpalaState,
+                ImpalaInput,
+                ImpalaOutput,
+                "impala",
+                t
+            ));
         }
         if wanted("minatar_dqn") {
-            rows.extend(bench_network!(MinAtarDqn, MinAtarDqnGrads, MinAtarDqnState, MinAtarDqnInput, MinAtarDqnOutput, "minatar_dqn", t));
+            rows.extend(bench_network!(
+                MinAtarDqn,
+                MinAtarDqnGrads,
+                MinAtarDqnState,
+                MinAtarDqnInput,
+                MinAtarDqnOutput,
+                "minatar_dqn",
+                t
+            ));
         }
     }
     Ok(rows)
@@ -181,7 +221,9 @@ fn parse_threads(text: &str) -> Result<Vec<usize>, String> {
     text.split(',')
         .map(|t| match t.trim().parse::<usize>() {
             Ok(n) if n > 0 => Ok(n),
-            _ => Err(format!("--threads takes positive counts like 1,2, not `{text}`")),
+            _ => Err(format!(
+                "--threads takes positive counts like 1,2, not `{text}`"
+            )),
         })
         .collect()
 }
@@ -221,7 +263,12 @@ fn main() -> ExitCode {
     for r in &rows {
         println!(
             "{:<13} {:<11} {:>5} {:>7} {:>12.1} {:>6.1}%",
-            r.network, r.op, r.batch, r.threads, r.us, r.spread * 100.0
+            r.network,
+            r.op,
+            r.batch,
+            r.threads,
+            r.us,
+            r.spread * 100.0
         );
     }
     for r in &rows {

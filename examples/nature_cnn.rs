@@ -36,7 +36,11 @@ fn greedy<const B: usize>(q: &NatureDqnOutput<B>) -> [usize; B] {
     actions
 }
 
-fn latency<const B: usize>(net: &NatureDqn, cpu: &mut Cpu, rng: &mut Rng) -> conv_runtime::Result<()> {
+fn latency<const B: usize>(
+    net: &NatureDqn,
+    cpu: &mut Cpu,
+    rng: &mut Rng,
+) -> conv_runtime::Result<()> {
     let frames = NatureDqnInput::<B>::from_fn(|_| rng.uniform(0.0, 1.0) as f32);
     let mut q = NatureDqnOutput::<B>::zeros();
     for _ in 0..5 {

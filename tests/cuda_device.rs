@@ -382,9 +382,18 @@ fn buffers_belong_to_their_device() {
     assert!(error.reason.contains("another Cuda device"), "{error}");
 
     let big = cudnn_f32::plain::Layer::new(&mut Rng::seed_from_u64(1));
-    let (x0, mut y0) = (Tensor::<f32, 0, 16, 16, 32>::zeros(), Tensor::<f32, 0, 16, 16, 32>::zeros());
+    let (x0, mut y0) = (
+        Tensor::<f32, 0, 16, 16, 32>::zeros(),
+        Tensor::<f32, 0, 16, 16, 32>::zeros(),
+    );
     big.evaluate(&mut cuda, &x0, &mut y0).unwrap();
-    layer.evaluate(&mut cuda, &Tensor::<f32, 0, 8, 8, 1>::zeros(), &mut Tensor::<f32, 0, 6, 6, 1>::zeros()).unwrap();
+    layer
+        .evaluate(
+            &mut cuda,
+            &Tensor::<f32, 0, 8, 8, 1>::zeros(),
+            &mut Tensor::<f32, 0, 6, 6, 1>::zeros(),
+        )
+        .unwrap();
     assert_eq!(cuda.nondeterministic_algorithms(), 0);
 }
 

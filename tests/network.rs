@@ -40,7 +40,14 @@ conv_runtime::network! {
 }
 
 /// The layer reference's spec of a conv entry.
-fn conv(input: [usize; 3], oc: usize, kernel: usize, padding: usize, activation: Activation, norm: Norm) -> Spec {
+fn conv(
+    input: [usize; 3],
+    oc: usize,
+    kernel: usize,
+    padding: usize,
+    activation: Activation,
+    norm: Norm,
+) -> Spec {
     Spec {
         input,
         out_channels: oc,
@@ -103,7 +110,10 @@ fn pool(
                     let (mut best, mut at, mut sum) = (f64::NEG_INFINITY, 0, 0.0);
                     for di in 0..k {
                         for dj in 0..k {
-                            let (r, q) = ((i * s + di) as isize - p as isize, (j * s + dj) as isize - p as isize);
+                            let (r, q) = (
+                                (i * s + di) as isize - p as isize,
+                                (j * s + dj) as isize - p as isize,
+                            );
                             if r < 0 || q < 0 || r >= h as isize || q >= w as isize {
                                 continue;
                             }
@@ -126,6 +136,7 @@ fn pool(
 }
 
 /// The gradient of `pool` at its input.
+#[allow(clippy::too_many_arguments)] // a reference mirrors `pool`'s parameters
 fn pool_backward(
     dy: &[f64],
     win: &[usize],
@@ -149,9 +160,13 @@ fn pool_backward(
                     }
                     for di in 0..k {
                         for dj in 0..k {
-                            let (r, q) = ((i * s + di) as isize - p as isize, (j * s + dj) as isize - p as isize);
+                            let (r, q) = (
+                                (i * s + di) as isize - p as isize,
+                                (j * s + dj) as isize - p as isize,
+                            );
                             if r >= 0 && q >= 0 && r < h as isize && q < w as isize {
-                                dx[((b * h + r as usize) * w + q as usize) * c + ch] += dy[o] / (k * k) as f64;
+                                dx[((b * h + r as usize) * w + q as usize) * c + ch] +=
+                                    dy[o] / (k * k) as f64;
                             }
                         }
                     }
@@ -173,17 +188,29 @@ struct Reference {
 }
 
 fn reference(net: &Mixed, x: &[f64], dy: &[f64], train: bool) -> Reference {
-    let bn = Norm::Batch { momentum: 0.2, eps: 1e-3 };
+    let bn = Norm::Batch {
+        momentum: 0.2,
+        eps: 1e-3,
+    };
     let s1 = conv([9, 9, 3], 4, 3, 1, Activation::Tanh, Norm::None);
     let s2 = conv([5, 5, 4], 4, 3, 1, Activation::Relu, bn);
     let s_fc = dense(64, 5, Activation::Sigmoid);
     let s_q = dense(5, 3, Activation::Identity);
-    let (p1, p2, pfc, pq) = (params(net, "c1"), params(net, "r1.c2"), params(net, "fc"), params(net, "q"));
+    let (p1, p2, pfc, pq) = (
+        params(net, "c1"),
+        params(net, "r1.c2"),
+        params(net, "fc"),
+        params(net, "q"),
+    );
     // Forward.
     let f1 = common::forward(&s1, &p1, x, train);
     let (y1, win) = pool(&f1.output, [9, 9, 4], 3, 2, 1, true);
     let f2 = common::forward(&s2, &p2, &y1, train);
-    let ya: Vec<f64> = f2.output.iter().map(|&v| Activation::Gelu.apply(v)).collect();
+    let ya: Vec<f64> = f2
+        .output
+        .iter()
+        .map(|&v| Activation::Gelu.apply(v))
+        .collect();
     let r: Vec<f64> = y1.iter().zip(&ya).map(|(a, b)| a + b).collect();
     let (y2, _) = pool(&r, [5, 5, 4], 2, 1, 0, false);
     let ffc = common::forward(&s_fc, &pfc, &y2, train);
@@ -192,7 +219,11 @@ fn reference(net: &Mixed, x: &[f64], dy: &[f64], train: bool) -> Reference {
     let gq = common::backward(&s_q, &pq, &ffc.output, &fq, dy, train);
     let gfc = common::backward(&s_fc, &pfc, &y2, &ffc, &gq.d_input, train);
     let dr = pool_backward(&gfc.d_input, &[], [5, 5, 4], 2, 1, 0, false, 2);
-    let dya: Vec<f64> = dr.iter().zip(&f2.output).map(|(d, &v)| d * Activation::Gelu.derivative(v)).collect();
+    let dya: Vec<f64> = dr
+        .iter()
+        .zip(&f2.output)
+        .map(|(d, &v)| d * Activation::Gelu.derivative(v))
+        .collect();
     let g2 = common::backward(&s2, &p2, &y1, &f2, &dya, train);
     let dy1: Vec<f64> = dr.iter().zip(&g2.d_input).map(|(a, b)| a + b).collect();
     let dc1 = pool_backward(&dy1, &win, [9, 9, 4], 3, 2, 1, true, 2);
@@ -227,7 +258,9 @@ fn data() -> (MixedInput<2>, MixedOutput<2>) {
 /// `(name, gradient)` of every parameter, in visiting order.
 fn gradients(net: &Mixed, grads: &MixedGrads) -> Vec<(String, Vec<f64>)> {
     let mut all = Vec::new();
-    net.clone().visit_mut(grads, &mut |name, _, g| all.push((name.to_string(), g.to_vec())));
+    net.clone().visit_mut(grads, &mut |name, _, g| {
+        all.push((name.to_string(), g.to_vec()))
+    });
     all
 }
 
@@ -246,29 +279,46 @@ fn every_operation_matches_the_reference() {
         let before = net.clone();
         net.forward(&mut cpu, &x, &mut state, mode).unwrap();
         assert_close("forward", state.output().as_slice(), &expected.output, 1e-9);
-        let running = (net.r1.c2.running_mean.as_slice().to_vec(), net.r1.c2.running_var.as_slice().to_vec());
+        let running = (
+            net.r1.c2.running_mean.as_slice().to_vec(),
+            net.r1.c2.running_var.as_slice().to_vec(),
+        );
         if train {
             assert_close("running mean", &running.0, &expected.running.0, 1e-9);
             assert_close("running var", &running.1, &expected.running.1, 1e-9);
         } else {
-            assert_eq!(running.0, before.r1.c2.running_mean.as_slice(), "Eval changed the running mean");
+            assert_eq!(
+                running.0,
+                before.r1.c2.running_mean.as_slice(),
+                "Eval changed the running mean"
+            );
         }
         let mut grads = MixedGrads::zeros();
         let mut d_input = MixedInput::<2>::zeros();
-        net.backward_full(&mut cpu, &state, &x, &dy, &mut d_input, &mut grads, mode).unwrap();
+        net.backward_full(&mut cpu, &state, &x, &dy, &mut d_input, &mut grads, mode)
+            .unwrap();
         assert_close("d_input", d_input.as_slice(), &expected.d_input, 1e-9);
         let got = gradients(&net, &grads);
         assert_eq!(
             got.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
-            expected.grads.iter().map(|(n, _)| n.as_str()).collect::<Vec<_>>(),
+            expected
+                .grads
+                .iter()
+                .map(|(n, _)| n.as_str())
+                .collect::<Vec<_>>(),
         );
         for ((name, g), (_, e)) in got.iter().zip(&expected.grads) {
             // BatchNorm in training mode: the bias gradient is zero up to rounding.
-            let tolerance = if train && name == "r1.c2.biases" { 1e-8 } else { 1e-9 };
+            let tolerance = if train && name == "r1.c2.biases" {
+                1e-8
+            } else {
+                1e-9
+            };
             assert_close(name, g, e, tolerance);
         }
         // `backward` adds the same parameter gradients.
-        net.backward(&mut cpu, &state, &x, &dy, &mut grads, mode).unwrap();
+        net.backward(&mut cpu, &state, &x, &dy, &mut grads, mode)
+            .unwrap();
         for ((name, g), (_, e)) in gradients(&net, &grads).iter().zip(&got) {
             let doubled: Vec<f64> = e.iter().map(|v| 2.0 * v).collect();
             assert_close(&format!("{name} accumulated"), g, &doubled, 1e-12);
@@ -281,7 +331,7 @@ fn evaluate_is_the_eval_forward_at_any_batch() {
     let (x, _) = data();
     let mut net = Mixed::new(&mut Rng::seed_from_u64(4));
     net.r1.c2.running_var = Vector::from_fn(|i| 0.5 + 0.25 * i as f64);
-    let expected = reference(&net, x.as_slice(), &vec![0.0; MixedOutput::<2>::LEN], false);
+    let expected = reference(&net, x.as_slice(), &[0.0; MixedOutput::<2>::LEN], false);
     let mut cpu = common::cpu();
     let mut y = MixedOutput::<2>::zeros();
     net.evaluate(&mut cpu, &x, &mut y).unwrap();
@@ -290,18 +340,31 @@ fn evaluate_is_the_eval_forward_at_any_batch() {
     let x1 = MixedInput::<1>::from_vec(x.as_slice()[243..].to_vec()).unwrap();
     let mut y1 = MixedOutput::<1>::zeros();
     net.evaluate(&mut cpu, &x1, &mut y1).unwrap();
-    assert_close("evaluate, batch 1", y1.as_slice(), &expected.output[3..], 1e-9);
+    assert_close(
+        "evaluate, batch 1",
+        y1.as_slice(),
+        &expected.output[3..],
+        1e-9,
+    );
 }
 
 #[test]
 fn the_contract_of_api_md() {
-    assert_eq!((Mixed::INPUT_HEIGHT, Mixed::INPUT_WIDTH, Mixed::INPUT_CHANNELS), (9, 9, 3));
+    assert_eq!(
+        (
+            Mixed::INPUT_HEIGHT,
+            Mixed::INPUT_WIDTH,
+            Mixed::INPUT_CHANNELS
+        ),
+        (9, 9, 3)
+    );
     assert_eq!((Mixed::OUTPUT_FEATURES, Mixed::BATCH_SIZE), (3, 2));
     let net = Mixed::new(&mut Rng::seed_from_u64(1));
     assert_eq!(Mixed::PARAMETER_COUNT, net.parameter_count());
     // Dense weights are [out, in] as PyTorch's, the conv weights OHWI.
     let mut shapes = Vec::new();
-    net.clone().visit_params_mut(&mut |name, t| shapes.push((name.to_string(), t.shape().to_vec())));
+    net.clone()
+        .visit_params_mut(&mut |name, t| shapes.push((name.to_string(), t.shape().to_vec())));
     assert_eq!(
         shapes,
         [
@@ -319,7 +382,8 @@ fn the_contract_of_api_md() {
         .map(|(n, s)| (n.to_string(), s))
     );
     let mut buffers = Vec::new();
-    net.clone().visit_buffers_mut(&mut |name, _| buffers.push(name.to_string()));
+    net.clone()
+        .visit_buffers_mut(&mut |name, _| buffers.push(name.to_string()));
     assert_eq!(buffers, ["r1.c2.running_mean", "r1.c2.running_var"]);
 }
 
@@ -331,10 +395,15 @@ fn the_same_bits_on_any_number_of_threads() {
         let mut state = MixedState::new();
         net.forward(cpu, &x, &mut state, Mode::Train).unwrap();
         let (mut grads, mut d_input) = (MixedGrads::zeros(), MixedInput::<2>::zeros());
-        net.backward_full(cpu, &state, &x, &dy, &mut d_input, &mut grads, Mode::Train).unwrap();
+        net.backward_full(cpu, &state, &x, &dy, &mut d_input, &mut grads, Mode::Train)
+            .unwrap();
         let mut y = MixedOutput::<2>::zeros();
         net.evaluate(cpu, &x, &mut y).unwrap();
-        let mut all = vec![state.output().as_slice().to_vec(), d_input.as_slice().to_vec(), y.as_slice().to_vec()];
+        let mut all = vec![
+            state.output().as_slice().to_vec(),
+            d_input.as_slice().to_vec(),
+            y.as_slice().to_vec(),
+        ];
         all.extend(gradients(&net, &grads).into_iter().map(|(_, g)| g));
         all
     };
@@ -343,7 +412,10 @@ fn the_same_bits_on_any_number_of_threads() {
         let mut cpu = Cpu::with_threads(threads).unwrap().__split_everything();
         let many = run(&mut cpu);
         for (a, b) in one.iter().zip(&many) {
-            assert!(a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()), "{threads} threads");
+            assert!(
+                a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                "{threads} threads"
+            );
         }
     }
 }
@@ -357,7 +429,8 @@ fn adam_steps_the_whole_network() {
     let mut state = MixedState::new();
     net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
     let mut grads = MixedGrads::zeros();
-    net.backward(&mut cpu, &state, &x, &dy, &mut grads, Mode::Train).unwrap();
+    net.backward(&mut cpu, &state, &x, &dy, &mut grads, Mode::Train)
+        .unwrap();
     let mut adam = Adam::new(1e-2);
     adam.step(&mut net, &grads);
     let mut changed = Vec::new();
@@ -374,6 +447,7 @@ fn adam_steps_the_whole_network() {
     assert_eq!(changed.len(), 10, "{changed:?}");
     grads.zero();
     let mut zero = true;
-    net.clone().visit_mut(&grads, &mut |_, _, g| zero &= g.iter().all(|&v| v == 0.0));
+    net.clone()
+        .visit_mut(&grads, &mut |_, _, g| zero &= g.iter().all(|&v| v == 0.0));
     assert!(zero);
 }

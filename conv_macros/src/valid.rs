@@ -400,7 +400,12 @@ pub(crate) fn named_choice<T: Copy>(
 }
 
 /// The fields of `Name { ... }`: known ones by name, unknown or duplicate ones reported.
-pub(crate) fn fields<'a>(cx: &mut Ctxt, of: &str, entries: &'a [Entry], allowed: &[&str]) -> Vec<&'a Entry> {
+pub(crate) fn fields<'a>(
+    cx: &mut Ctxt,
+    of: &str,
+    entries: &'a [Entry],
+    allowed: &[&str],
+) -> Vec<&'a Entry> {
     let mut out: Vec<&Entry> = Vec::new();
     for e in entries {
         let key = e.key.to_string();

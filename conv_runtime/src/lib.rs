@@ -34,7 +34,6 @@ pub mod head;
 pub mod init;
 pub mod loss;
 mod network;
-mod team;
 #[cfg(feature = "onednn")]
 pub mod onednn;
 pub mod optim;
@@ -42,6 +41,7 @@ mod params;
 mod rng;
 pub mod safetensors;
 pub mod simd;
+mod team;
 mod tensor;
 #[doc(hidden)]
 pub mod winograd;
@@ -119,10 +119,10 @@ pub mod __private {
     #[cfg(feature = "cuda")]
     pub use crate::cuda;
     pub use crate::init::kaiming_uniform;
+    pub use crate::network::{view, view_mut, Dense, DenseWeights};
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, avx512vl, Simd};
-    pub use crate::network::{view, view_mut, Dense, DenseWeights};
     pub use crate::winograd;
     pub use crate::{
         bf16, f16, Cpu, Element, Error, Matrix, Mode, NetworkDevice, ParamTensor, Parameters, Real,

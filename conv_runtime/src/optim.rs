@@ -553,6 +553,97 @@ impl<A: Real> RmsProp<A> {
     }
 }
 
+/// The scalars of one RMSprop step.
+struct RmsPropStep<A> {
+    lr: A,
+    alpha: A,
+    eps: A,
+    wd: A,
+    momentum: A,
+    /// `1 - alpha`.
+    weight: A,
+}
+
+/// One parameter tensor's slices of an RMSprop step (`mean` is empty unless centered).
+struct RmsPropSlices<'a, A> {
+    values: &'a mut [A],
+    grad: &'a [A],
+    v: &'a mut [A],
+    mean: &'a mut [A],
+    m: &'a mut [A],
+}
+
+/// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants: `CENTERED`,
+/// `MOMENTUM` (a momentum buffer), `SMALL` (`at::native::lerp`'s branch for a weight below 0.5).
+/// Dispatched to an AVX2 instantiation where the CPU has it: each element's arithmetic is the
+/// same, operation for operation, in either (no FMA contraction), so steps stay bit-identical
+/// to the GPU's.
+fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+    s: RmsPropSlices<'_, A>,
+    k: &RmsPropStep<A>,
+) {
+    #[inline(always)]
+    fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+        s: RmsPropSlices<'_, A>,
+        k: &RmsPropStep<A>,
+    ) {
+        let n = s.values.len();
+        let (values, grad, v, m) = (
+            &mut s.values[..n],
+            &s.grad[..n],
+            &mut s.v[..n],
+            &mut s.m[..n],
+        );
+        let mean: &mut [A] = if CENTERED { &mut s.mean[..n] } else { &mut [] };
+        for i in 0..n {
+            let g = grad[i] + k.wd * values[i];
+            let vi = k.alpha * v[i] + k.weight * g * g;
+            v[i] = vi;
+            let root = if CENTERED {
+                let mi = mean[i];
+                // at::native::lerp, with its branch for numerical accuracy.
+                let mi = if SMALL {
+                    mi + k.weight * (g - mi)
+                } else {
+                    g - (g - mi) * (A::ONE - k.weight)
+                };
+                mean[i] = mi;
+                (vi - mi * mi).sqrt()
+            } else {
+                vi.sqrt()
+            };
+            let avg = root + k.eps;
+            if MOMENTUM {
+                let buf = k.momentum * m[i] + g / avg;
+                m[i] = buf;
+                values[i] -= k.lr * buf;
+            } else {
+                values[i] -= k.lr * (g / avg);
+            }
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn run_avx2<
+            A: Real,
+            const CENTERED: bool,
+            const MOMENTUM: bool,
+            const SMALL: bool,
+        >(
+            s: RmsPropSlices<'_, A>,
+            k: &RmsPropStep<A>,
+        ) {
+            run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { run_avx2::<A, CENTERED, MOMENTUM, SMALL>(s, k) };
+        }
+    }
+    run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -858,85 +949,4 @@ mod tests {
         }
         assert!((b.x.as_slice()[0].to_f32() - 0.9).abs() < 0.01);
     }
-}
-
-/// The scalars of one RMSprop step.
-struct RmsPropStep<A> {
-    lr: A,
-    alpha: A,
-    eps: A,
-    wd: A,
-    momentum: A,
-    /// `1 - alpha`.
-    weight: A,
-}
-
-/// One parameter tensor's slices of an RMSprop step (`mean` is empty unless centered).
-struct RmsPropSlices<'a, A> {
-    values: &'a mut [A],
-    grad: &'a [A],
-    v: &'a mut [A],
-    mean: &'a mut [A],
-    m: &'a mut [A],
-}
-
-/// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants: `CENTERED`,
-/// `MOMENTUM` (a momentum buffer), `SMALL` (`at::native::lerp`'s branch for a weight below 0.5).
-/// Dispatched to an AVX2 instantiation where the CPU has it: each element's arithmetic is the
-/// same, operation for operation, in either (no FMA contraction), so steps stay bit-identical
-/// to the GPU's.
-fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-    s: RmsPropSlices<'_, A>,
-    k: &RmsPropStep<A>,
-) {
-    #[inline(always)]
-    fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-        s: RmsPropSlices<'_, A>,
-        k: &RmsPropStep<A>,
-    ) {
-        let n = s.values.len();
-        let (values, grad, v, m) = (&mut s.values[..n], &s.grad[..n], &mut s.v[..n], &mut s.m[..n]);
-        let mean: &mut [A] = if CENTERED { &mut s.mean[..n] } else { &mut [] };
-        for i in 0..n {
-            let g = grad[i] + k.wd * values[i];
-            let vi = k.alpha * v[i] + k.weight * g * g;
-            v[i] = vi;
-            let root = if CENTERED {
-                let mi = mean[i];
-                // at::native::lerp, with its branch for numerical accuracy.
-                let mi = if SMALL {
-                    mi + k.weight * (g - mi)
-                } else {
-                    g - (g - mi) * (A::ONE - k.weight)
-                };
-                mean[i] = mi;
-                (vi - mi * mi).sqrt()
-            } else {
-                vi.sqrt()
-            };
-            let avg = root + k.eps;
-            if MOMENTUM {
-                let buf = k.momentum * m[i] + g / avg;
-                m[i] = buf;
-                values[i] -= k.lr * buf;
-            } else {
-                values[i] -= k.lr * (g / avg);
-            }
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn run_avx2<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-            s: RmsPropSlices<'_, A>,
-            k: &RmsPropStep<A>,
-        ) {
-            run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
-        }
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { run_avx2::<A, CENTERED, MOMENTUM, SMALL>(s, k) };
-        }
-    }
-    run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
 }

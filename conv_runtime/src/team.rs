@@ -137,7 +137,7 @@ impl Team {
         let mut spins = 0u32;
         while shared.remaining.load(Ordering::Acquire) != 0 {
             spins = spins.wrapping_add(1);
-            if spins % 1024 == 0 {
+            if spins.is_multiple_of(1024) {
                 std::thread::yield_now();
             } else {
                 std::hint::spin_loop();
@@ -147,7 +147,11 @@ impl Team {
         if let Err(payload) = own {
             panic::resume_unwind(payload);
         }
-        let worker_panic = shared.panic.lock().unwrap_or_else(|p| p.into_inner()).take();
+        let worker_panic = shared
+            .panic
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .take();
         if let Some(payload) = worker_panic {
             panic::resume_unwind(payload);
         }
@@ -182,7 +186,7 @@ fn work(shared: &Shared, index: usize) {
                 return;
             }
             spins = spins.wrapping_add(1);
-            if spins % 64 != 0 || started.elapsed() < SPIN {
+            if !spins.is_multiple_of(64) || started.elapsed() < SPIN {
                 std::hint::spin_loop();
                 continue;
             }

@@ -44,8 +44,8 @@
 //! `--eval CHECKPOINT` plays `--episodes N` (default 100) episodes greedily (epsilon 0.01, so a
 //! stuck agent cannot loop forever) with the saved network and prints their mean return.
 
-// Shared with tests/minatar_replay.rs, which uses more of it than the agent does.
-#[allow(dead_code)]
+// Shared with tests/minatar_replay.rs, which uses more of it than the agent does (env.rs
+// allows the items the agent leaves unused).
 mod env;
 
 use std::error::Error as StdError;
@@ -153,7 +153,9 @@ fn parse_args() -> Result<Config, String> {
         config.frames = frames;
     }
     if config.frames <= LEARN_FROM {
-        return Err(format!("--frames must be more than {LEARN_FROM} (learning starts there)"));
+        return Err(format!(
+            "--frames must be more than {LEARN_FROM} (learning starts there)"
+        ));
     }
     Ok(config)
 }
@@ -198,8 +200,13 @@ impl Replay {
 
     fn push(&mut self, s: [u64; WORDS], a: usize, r: f32, s2: [u64; WORDS], done: bool) {
         let i = self.at;
-        (self.states[i], self.actions[i], self.rewards[i], self.next[i], self.terminal[i]) =
-            (s, a, r, s2, done);
+        (
+            self.states[i],
+            self.actions[i],
+            self.rewards[i],
+            self.next[i],
+            self.terminal[i],
+        ) = (s, a, r, s2, done);
         self.at = (self.at + 1) % REPLAY;
         self.len = (self.len + 1).min(REPLAY);
     }
@@ -343,14 +350,25 @@ fn train(config: &Config) -> Result<Run, Box<dyn StdError>> {
             }
             let (xs, ns) = (batch.as_mut_slice(), next.as_mut_slice());
             for (b, &i) in picks.iter().enumerate() {
-                unpack(&replay.states[i], &mut xs[b * STATE_LEN..(b + 1) * STATE_LEN]);
+                unpack(
+                    &replay.states[i],
+                    &mut xs[b * STATE_LEN..(b + 1) * STATE_LEN],
+                );
                 unpack(&replay.next[i], &mut ns[b * STATE_LEN..(b + 1) * STATE_LEN]);
                 actions[b] = replay.actions[i];
             }
             target.evaluate(&mut cpu, &next, &mut q_next)?;
             for (b, &i) in picks.iter().enumerate() {
-                let best = q_next.row(b).iter().copied().fold(f32::NEG_INFINITY, f32::max);
-                let future = if replay.terminal[i] { 0.0 } else { GAMMA * best };
+                let best = q_next
+                    .row(b)
+                    .iter()
+                    .copied()
+                    .fold(f32::NEG_INFINITY, f32::max);
+                let future = if replay.terminal[i] {
+                    0.0
+                } else {
+                    GAMMA * best
+                };
                 targets[b] = replay.rewards[i] + future;
             }
             net.forward(&mut cpu, &batch, &mut state, Mode::Train)?;
@@ -410,7 +428,12 @@ fn progress_bar(frames: u64) -> Option<indicatif::ProgressBar> {
 }
 
 /// Plays `episodes` episodes with the network at epsilon 0.01; the mean return.
-fn evaluate_policy(net: &QNet, seed: u64, episodes: usize, threads: usize) -> Result<f64, Box<dyn StdError>> {
+fn evaluate_policy(
+    net: &QNet,
+    seed: u64,
+    episodes: usize,
+    threads: usize,
+) -> Result<f64, Box<dyn StdError>> {
     let mut cpu = Cpu::with_threads(threads)?;
     let mut env = Breakout::new(seed as u32 ^ 0xe7a1);
     let mut rng = Random(seed ^ 0x0e7a_1000);
@@ -441,7 +464,10 @@ fn plot(path: &Path, episodes: &[(usize, f32)], random: f64) -> Result<(), Box<d
     plotters::style::register_font("sans-serif", FontStyle::Normal, FONT)
         .map_err(|_| "the embedded font is not a valid TrueType font")?;
     let frames = episodes.last().map_or(1, |&(f, _)| f) as f64;
-    let top = episodes.iter().map(|&(_, r)| f64::from(r)).fold(1.0, f64::max);
+    let top = episodes
+        .iter()
+        .map(|&(_, r)| f64::from(r))
+        .fold(1.0, f64::max);
     let root = BitMapBackend::new(path, (900, 500)).into_drawing_area();
     root.fill(&WHITE)?;
     let mut chart = ChartBuilder::on(&root)
@@ -477,7 +503,10 @@ fn plot(path: &Path, episodes: &[(usize, f32)], random: f64) -> Result<(), Box<d
         .label("mean of the last 100 episodes")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], RED.stroke_width(2)));
     chart
-        .draw_series(LineSeries::new([(0.0, random), (frames, random)], BLACK.stroke_width(1)))?
+        .draw_series(LineSeries::new(
+            [(0.0, random), (frames, random)],
+            BLACK.stroke_width(1),
+        ))?
         .label("random policy")
         .legend(|(x, y)| PathElement::new(vec![(x, y), (x + 20, y)], BLACK));
     chart

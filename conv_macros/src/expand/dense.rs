@@ -198,15 +198,26 @@ pub fn expand(spec: &Spec) -> TokenStream {
             let r = lit(r);
             quote!(__dense_axpys::<__S, #r, #vecs, #full, #add>(g, gs, gj, terms, v, k0, dst))
         };
-        let arms = [(3, true), (2, true), (1, true), (3, false), (2, false), (1, false)]
-            .into_iter()
-            .flat_map(|(r, full)| {
-                [true, false].map(|add| {
-                    let pattern = if r == 1 { quote!(_) } else { lit(r).into_token_stream() };
-                    let body = call(r, full, add);
-                    quote!((#pattern, #full, #add) => #body,)
-                })
-            });
+        let arms = [
+            (3, true),
+            (2, true),
+            (1, true),
+            (3, false),
+            (2, false),
+            (1, false),
+        ]
+        .into_iter()
+        .flat_map(|(r, full)| {
+            [true, false].map(|add| {
+                let pattern = if r == 1 {
+                    quote!(_)
+                } else {
+                    lit(r).into_token_stream()
+                };
+                let body = call(r, full, add);
+                quote!((#pattern, #full, #add) => #body,)
+            })
+        });
         quote! {
             let full = k0 + #vecs * __L <= __IC;
             match (#rows_expr, full, #add) {

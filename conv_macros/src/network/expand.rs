@@ -59,7 +59,11 @@ pub fn expand(net: &Network) -> TokenStream {
     // Top-level fields.
     let prefix = quote!(#module::);
     let (fields, field_tys, grad_tys) = param_fields(&prefix, &net.entries);
-    let layer_entries: Vec<&Entry> = all.iter().copied().filter(|e| e.layer().is_some()).collect();
+    let layer_entries: Vec<&Entry> = all
+        .iter()
+        .copied()
+        .filter(|e| e.layer().is_some())
+        .collect();
     let new_fields = init_exprs(&prefix, &net.entries);
 
     // Device trait: every layer's own, and the network's needs.
@@ -540,11 +544,14 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
     let forward = format_ident!("__forward_{}", e.path);
     let backward = format_ident!("__backward_{}", e.path);
     match &e.kind {
-        Kind::Pool(kind, Pool {
-            kernel,
-            stride,
-            padding,
-        }) => {
+        Kind::Pool(
+            kind,
+            Pool {
+                kernel,
+                stride,
+                padding,
+            },
+        ) => {
             let (kh, kw) = (lit(kernel[0]), lit(kernel[1]));
             let (sh, sw) = (lit(stride[0]), lit(stride[1]));
             let (ph, pw) = (lit(padding[0]), lit(padding[1]));
@@ -805,7 +812,13 @@ fn evaluate_body(net: &Network) -> TokenStream {
         }
     };
     let mut body = TokenStream::new();
-    let last = emit_evaluate(&flow, &net.entries, quote!(input), &mut body, Some(out_view.clone()));
+    let last = emit_evaluate(
+        &flow,
+        &net.entries,
+        quote!(input),
+        &mut body,
+        Some(out_view.clone()),
+    );
     if let Some(last) = last {
         // The last entry was a `Flatten`: its input's buffer is the output.
         let ty = flow.tensor(net.output());
@@ -859,7 +872,9 @@ fn emit_evaluate(
             }
             Kind::Activation(_) => {
                 let f = format_ident!("__forward_{}", e.path);
-                body.extend(quote!(#module::#f(device.__pool(), #cur.as_slice(), (#dst).as_mut_slice());));
+                body.extend(
+                    quote!(#module::#f(device.__pool(), #cur.as_slice(), (#dst).as_mut_slice());),
+                );
             }
             Kind::Flatten => {
                 let ty = flow.tensor(e.output);
@@ -895,7 +910,10 @@ fn emit_evaluate(
 fn forward_body(net: &Network) -> TokenStream {
     let flow = Flow {
         net,
-        batch: { let b = lit(net.batch); quote!(#b) },
+        batch: {
+            let b = lit(net.batch);
+            quote!(#b)
+        },
     };
     let mut body = TokenStream::new();
     emit_forward(&flow, &net.entries, quote!(input), &mut body);
@@ -924,7 +942,12 @@ fn output_in(root: TokenStream, flow: &Flow, e: &Entry, input: &TokenStream) -> 
     }
 }
 
-fn emit_forward(flow: &Flow, entries: &[Entry], input: TokenStream, body: &mut TokenStream) -> TokenStream {
+fn emit_forward(
+    flow: &Flow,
+    entries: &[Entry],
+    input: TokenStream,
+    body: &mut TokenStream,
+) -> TokenStream {
     let module = format_ident!("__{}", flow.net.ident);
     let batch = lit(flow.net.batch);
     let mut cur = input;
@@ -970,7 +993,10 @@ fn state_output(net: &Network) -> TokenStream {
     let rt = rt();
     let flow = Flow {
         net,
-        batch: { let b = lit(net.batch); quote!(#b) },
+        batch: {
+            let b = lit(net.batch);
+            quote!(#b)
+        },
     };
     // The output of each top-level entry, following `Flatten` views back.
     let mut cur = quote!(__unreachable);
@@ -989,7 +1015,10 @@ fn backward_body(net: &Network, full: bool) -> TokenStream {
     let rt = rt();
     let flow = Flow {
         net,
-        batch: { let b = lit(net.batch); quote!(#b) },
+        batch: {
+            let b = lit(net.batch);
+            quote!(#b)
+        },
     };
     let module = format_ident!("__{}", net.ident);
     let d_out = match net.output() {
@@ -1001,7 +1030,15 @@ fn backward_body(net: &Network, full: bool) -> TokenStream {
     };
     let mut body = TokenStream::new();
     let into = full.then(|| quote!(d_input));
-    emit_backward(&flow, &net.entries, quote!(input), d_out, into, &mut body, &quote!(grads));
+    emit_backward(
+        &flow,
+        &net.entries,
+        quote!(input),
+        d_out,
+        into,
+        &mut body,
+        &quote!(grads),
+    );
     quote! {
         let mut g = device.__take::<#module::__Grad>();
         let result = (|| -> #rt::Result<()> {
@@ -1090,7 +1127,9 @@ fn emit_backward(
                 let ty = flow.tensor(e.input);
                 let viewed = quote!(#rt::view::<_, #ty>(#grad));
                 if let (0, Some(into)) = (i, &into) {
-                    body.extend(quote!((#into).as_mut_slice().copy_from_slice(#viewed.as_slice());));
+                    body.extend(
+                        quote!((#into).as_mut_slice().copy_from_slice(#viewed.as_slice());),
+                    );
                 }
                 grad = viewed;
                 continue;
@@ -1101,7 +1140,15 @@ fn emit_backward(
                     let buf = format_ident!("__inner_{}", e.path);
                     quote!(&mut g.#buf)
                 });
-                emit_backward(flow, inner, x.clone(), grad.clone(), inner_into.clone(), body, grads_root);
+                emit_backward(
+                    flow,
+                    inner,
+                    x.clone(),
+                    grad.clone(),
+                    inner_into.clone(),
+                    body,
+                    grads_root,
+                );
                 if let (Some(dst), Some(_)) = (&dst, &inner_into) {
                     let f = format_ident!("__forward_{}", e.path);
                     let buf = format_ident!("__inner_{}", e.path);

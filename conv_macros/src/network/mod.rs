@@ -97,10 +97,18 @@ pub fn public_names(net: &spec::Network) -> Vec<String> {
         let path = &e.path;
         names.extend(
             [
-                "", "Grads", "State", "Device", "Input", "Output", "Cuda", "CudaGrads", "CudaState",
+                "",
+                "Grads",
+                "State",
+                "Device",
+                "Input",
+                "Output",
+                "Cuda",
+                "CudaGrads",
+                "CudaState",
             ]
-                .iter()
-                .map(|suffix| format!("{path}{suffix}")),
+            .iter()
+            .map(|suffix| format!("{path}{suffix}")),
         );
     }
     names

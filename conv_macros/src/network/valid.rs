@@ -58,7 +58,10 @@ pub fn validate(input: ast::Input) -> syn::Result<Network> {
     let layers = match get("layers") {
         Some(Value::List { entries, span }) => Some((entries, *span)),
         Some(Value::Array { items, span }) if items.is_empty() => {
-            cx.error(*span, "a network needs at least one layer: `layers: [name: Kind, ...]`");
+            cx.error(
+                *span,
+                "a network needs at least one layer: `layers: [name: Kind, ...]`",
+            );
             None
         }
         Some(other) => {
@@ -172,7 +175,10 @@ impl Chain {
                     [arg] => layer::named_choice(cx, arg, "activation", &Activation::ALL)
                         .map(Kind::Activation),
                     _ => {
-                        cx.error(*span, "`Activation` takes one activation, e.g. `Activation(Relu)`");
+                        cx.error(
+                            *span,
+                            "`Activation` takes one activation, e.g. `Activation(Relu)`",
+                        );
                         None
                     }
                 };
@@ -212,7 +218,10 @@ impl Chain {
                             format_args!("`{key}` of a Conv2d entry is the network's: its input is the previous entry's output, and `batch` and `dtype` are set once for the whole network"),
                         );
                     } else if !CONV_KEYS.contains(&key.as_str()) {
-                        cx.error(f.key.span(), layer::unknown("key of `Conv2d`", &key, &CONV_KEYS));
+                        cx.error(
+                            f.key.span(),
+                            layer::unknown("key of `Conv2d`", &key, &CONV_KEYS),
+                        );
                     }
                 }
                 let own: Vec<ast::Entry> = entries
@@ -224,12 +233,20 @@ impl Chain {
                 Some(Kind::Conv(Box::new(spec)))
             }
             "Dense" => {
-                let f = layer::fields(cx, "Dense", entries, &["out_features", "activation", "init"]);
+                let f = layer::fields(
+                    cx,
+                    "Dense",
+                    entries,
+                    &["out_features", "activation", "init"],
+                );
                 let get = |key: &str| f.iter().find(|e| e.key == key).map(|e| &e.value);
                 let out = match get("out_features") {
                     Some(v) => layer::integer(cx, v, "out_features", 1),
                     None => {
-                        cx.error(kind.span(), "missing required field `out_features` of `Dense`");
+                        cx.error(
+                            kind.span(),
+                            "missing required field `out_features` of `Dense`",
+                        );
                         None
                     }
                 };
@@ -277,7 +294,10 @@ impl Chain {
                 let window = match get("kernel") {
                     Some(v) => layer::pair(cx, v, "kernel", 1),
                     None => {
-                        cx.error(kind.span(), format_args!("missing required field `kernel` of `{what}`"));
+                        cx.error(
+                            kind.span(),
+                            format_args!("missing required field `kernel` of `{what}`"),
+                        );
                         None
                     }
                 };
@@ -285,7 +305,8 @@ impl Chain {
                     Some(v) => layer::pair(cx, v, "stride", 1),
                     None => window,
                 };
-                let padding = get("padding").map_or(Some([0, 0]), |v| layer::pair(cx, v, "padding", 0));
+                let padding =
+                    get("padding").map_or(Some([0, 0]), |v| layer::pair(cx, v, "padding", 0));
                 let dims = map_input(cx, &what);
                 let (window, stride, padding, dims) = (window?, stride?, padding?, dims?);
                 let mut fits = true;
@@ -309,8 +330,19 @@ impl Chain {
                         ));
                     }
                 }
-                let pool = if what == "MaxPool2d" { PoolKind::Max } else { PoolKind::Avg };
-                fits.then_some(Kind::Pool(pool, Pool { kernel: window, stride, padding }))
+                let pool = if what == "MaxPool2d" {
+                    PoolKind::Max
+                } else {
+                    PoolKind::Avg
+                };
+                fits.then_some(Kind::Pool(
+                    pool,
+                    Pool {
+                        kernel: window,
+                        stride,
+                        padding,
+                    },
+                ))
             }
             "Flatten" => {
                 if fields.is_some() {
@@ -319,7 +351,10 @@ impl Chain {
                 map_input(cx, "Flatten").map(|_| Kind::Flatten)
             }
             "Activation" => {
-                cx.error(kind.span(), "write the activation in parentheses: `Activation(Relu)`");
+                cx.error(
+                    kind.span(),
+                    "write the activation in parentheses: `Activation(Relu)`",
+                );
                 None
             }
             "Residual" => {
@@ -328,11 +363,18 @@ impl Chain {
                     cx.error(kind.span(), "missing required field `layers` of `Residual`");
                     return None;
                 };
-                let Value::List { entries: inner, span } = &list.value else {
-                    cx.at(&list.value, format_args!(
-                        "`layers` must be a list `[name: Kind, ...]`, found {}",
-                        list.value.describe()
-                    ));
+                let Value::List {
+                    entries: inner,
+                    span,
+                } = &list.value
+                else {
+                    cx.at(
+                        &list.value,
+                        format_args!(
+                            "`layers` must be a list `[name: Kind, ...]`, found {}",
+                            list.value.describe()
+                        ),
+                    );
                     return None;
                 };
                 let inner = self.list(cx, inner, *span, input, &format!("{path}__"))?;

@@ -356,8 +356,9 @@ fn pick<A: Copy>(
     let runs = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| {
         c.0 == dnn::cudnnStatus_t::CUDNN_STATUS_SUCCESS
     };
-    let deterministic =
-        |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC;
+    let deterministic = |c: &(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, A, usize)| {
+        c.1 == dnn::cudnnDeterminism_t::CUDNN_DETERMINISTIC
+    };
     let first = candidates.clone().filter(|c| runs(c) && deterministic(c));
     for c in first.chain(candidates.filter(runs)) {
         if fits(c.3)? {
@@ -1104,17 +1105,27 @@ mod tests {
         candidates: &[(dnn::cudnnStatus_t, dnn::cudnnDeterminism_t, u32, usize)],
         room: usize,
     ) -> Result<(u32, bool)> {
-        pick("test", candidates.iter().copied(), |bytes| Ok(bytes <= room))
+        pick(
+            "test",
+            candidates.iter().copied(),
+            |bytes| Ok(bytes <= room),
+        )
     }
 
     #[test]
     fn deterministic_first_then_whatever_runs() -> Result<()> {
         // cuDNN may rank a non-deterministic algorithm first.
-        assert_eq!(choose(&[(OK, NONDET, 1, 0), (OK, DET, 2, 0)], 0)?, (2, true));
+        assert_eq!(
+            choose(&[(OK, NONDET, 1, 0), (OK, DET, 2, 0)], 0)?,
+            (2, true)
+        );
         // Only a non-deterministic one runs: taken, and reported as such.
         assert_eq!(choose(&[(OK, NONDET, 1, 0)], 0)?, (1, false));
         let refused = dnn::cudnnStatus_t::CUDNN_STATUS_NOT_SUPPORTED;
-        assert_eq!(choose(&[(refused, DET, 1, 0), (OK, NONDET, 2, 0)], 0)?, (2, false));
+        assert_eq!(
+            choose(&[(refused, DET, 1, 0), (OK, NONDET, 2, 0)], 0)?,
+            (2, false)
+        );
         assert!(choose(&[(refused, DET, 1, 0)], 0).is_err());
         Ok(())
     }
@@ -1122,8 +1133,14 @@ mod tests {
     #[test]
     fn a_workspace_that_does_not_fit_moves_on() -> Result<()> {
         let huge = 48 << 30;
-        assert_eq!(choose(&[(OK, DET, 1, huge), (OK, DET, 2, 64)], 1 << 20)?, (2, true));
-        assert_eq!(choose(&[(OK, DET, 1, huge), (OK, NONDET, 2, 64)], 1 << 20)?, (2, false));
+        assert_eq!(
+            choose(&[(OK, DET, 1, huge), (OK, DET, 2, 64)], 1 << 20)?,
+            (2, true)
+        );
+        assert_eq!(
+            choose(&[(OK, DET, 1, huge), (OK, NONDET, 2, 64)], 1 << 20)?,
+            (2, false)
+        );
         assert!(choose(&[(OK, DET, 1, huge)], 1 << 20).is_err());
         // An allocation failure other than "out of memory" is the call's error.
         let failing = pick("test", [(OK, DET, 1u32, 64)].into_iter(), |_| {
