@@ -1,12 +1,13 @@
-//! The `conv2d!` proc macro: parse -> validate -> expand.
+//! The `conv2d!` and `network!` proc macros: parse -> validate -> expand.
 //!
-//! Use it through `conv_runtime`, which re-exports it; generated code names runtime items only
-//! through `::conv_runtime::__private`.
+//! Use them through `conv_runtime`, which re-exports them; generated code names runtime items
+//! only through `::conv_runtime::__private`.
 //!
 //! Every expansion is hygienic: no name the user defines or imports changes what it means. Its
 //! private names start with `__`, constants passed as generic arguments are braced, and standard
 //! items and macros are named by absolute paths. This holds for everything the crate's macros
-//! emit, now and later; `hygiene.rs` states the rules and checks them over expanded code.
+//! emit, `conv2d!` and `network!` alike, now and later; `hygiene.rs` states the rules and checks
+//! them over expanded code (each macro's unit tests run the check over every expansion).
 
 mod ast;
 mod expand;
