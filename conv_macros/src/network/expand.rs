@@ -65,6 +65,7 @@ pub fn expand(net: &Network) -> TokenStream {
         .filter(|e| e.layer().is_some())
         .collect();
     let new_fields = init_exprs(&prefix, &net.entries);
+    let shared = shared_impls(name, &fields, &grads, &grad_tys);
 
     // Device trait: every layer's own, and the network's needs.
     let layer_traits: Vec<TokenStream> = layer_entries
@@ -280,44 +281,9 @@ pub fn expand(net: &Network) -> TokenStream {
             ) -> #rt::Result<()> {
                 #backward_full
             }
-
-            /// Copies `other`'s parameters and running statistics into this network (a DQN's
-            /// target network).
-            pub fn copy_from(&mut self, other: &Self) {
-                #( self.#fields.copy_from(&other.#fields); )*
-            }
         }
 
-        impl ::core::clone::Clone for #name {
-            fn clone(&self) -> Self {
-                Self { #( #fields: ::core::clone::Clone::clone(&self.#fields), )* }
-            }
-        }
-
-        impl ::core::fmt::Debug for #name {
-            fn fmt(&self, f: &mut ::core::fmt::Formatter<'_>) -> ::core::fmt::Result {
-                f.debug_struct(::core::stringify!(#name))
-                    #(.field(::core::stringify!(#fields), &self.#fields))*
-                    .finish()
-            }
-        }
-
-        impl #grads {
-            /// All-zero gradients.
-            pub fn zeros() -> Self {
-                Self { #( #fields: <#grad_tys>::zeros(), )* }
-            }
-
-            /// Clears every gradient.
-            pub fn zero(&mut self) {
-                #( self.#fields.zero(); )*
-            }
-
-            /// Adds `other`'s gradients into these.
-            pub fn add(&mut self, other: &Self) {
-                #( self.#fields.add(&other.#fields); )*
-            }
-        }
+        #shared
 
         impl #state {
             /// Zeroed state.
@@ -380,6 +346,7 @@ fn block_structs(path: &str, inner: &[Entry]) -> TokenStream {
     let news = init_exprs(&TokenStream::new(), inner);
     let ty = format_ident!("{}", path);
     let g = format_ident!("{}Grads", path);
+    let shared = shared_impls(&ty, &fields, &g, &grads);
     quote! {
         /// A residual block's layers.
         pub struct #ty {
@@ -387,11 +354,35 @@ fn block_structs(path: &str, inner: &[Entry]) -> TokenStream {
         }
 
         impl #ty {
+            /// The block's layers, initialized in entry order.
             pub fn new(rng: &mut ::conv_runtime::__private::Rng) -> Self {
                 let _ = &rng;
                 Self { #(#news,)* }
             }
+        }
 
+        /// A residual block's gradients.
+        pub struct #g {
+            #( pub #fields: #grads, )*
+        }
+
+        #shared
+    }
+}
+
+/// What a network and each of its residual blocks define alike, for a parameter struct `ty`
+/// with the parameter `fields` and its gradient struct `grads` (field types `grad_tys`):
+/// `copy_from`, `Clone`, `Debug`, and the gradients' `zeros`, `zero` and `add`.
+fn shared_impls(
+    ty: &syn::Ident,
+    fields: &[syn::Ident],
+    grads: &syn::Ident,
+    grad_tys: &[TokenStream],
+) -> TokenStream {
+    quote! {
+        impl #ty {
+            /// Copies `other`'s parameters and running statistics into this one (a DQN's
+            /// target network).
             pub fn copy_from(&mut self, other: &Self) {
                 let _ = other;
                 #( self.#fields.copy_from(&other.#fields); )*
@@ -412,20 +403,18 @@ fn block_structs(path: &str, inner: &[Entry]) -> TokenStream {
             }
         }
 
-        /// A residual block's gradients.
-        pub struct #g {
-            #( pub #fields: #grads, )*
-        }
-
-        impl #g {
+        impl #grads {
+            /// All-zero gradients.
             pub fn zeros() -> Self {
-                Self { #( #fields: <#grads>::zeros(), )* }
+                Self { #( #fields: <#grad_tys>::zeros(), )* }
             }
 
+            /// Clears every gradient.
             pub fn zero(&mut self) {
                 #( self.#fields.zero(); )*
             }
 
+            /// Adds `other`'s gradients into these.
             pub fn add(&mut self, other: &Self) {
                 let _ = other;
                 #( self.#fields.add(&other.#fields); )*
