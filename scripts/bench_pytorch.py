@@ -88,19 +88,16 @@ def layer(torch, ic, oc, k, s, p, activation, batch_norm):
 
 
 class Residual:
-    """`x + f(x)`, built lazily so that `torch` is imported only when present."""
+    """`x + f(x)` as an `nn.Sequential` whose forward adds its input (the layout
+    `import_pytorch_network` reads), built lazily so that `torch` is imported only when present."""
 
     @staticmethod
     def make(torch, *layers):
-        class Block(torch.nn.Module):
-            def __init__(self):
-                super().__init__()
-                self.f = torch.nn.Sequential(*layers)
-
+        class Block(torch.nn.Sequential):
             def forward(self, x):
-                return x + self.f(x)
+                return x + super().forward(x)
 
-        return Block()
+        return Block(*layers)
 
 
 def networks(torch):

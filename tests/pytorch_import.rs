@@ -1,4 +1,5 @@
-//! Import of PyTorch `Conv2d` / `BatchNorm2d` weights from a safetensors state dict.
+//! Import of PyTorch `Conv2d` / `BatchNorm2d` weights, and of whole networks, from safetensors
+//! state dicts.
 //!
 //! The fixture in `tests/data/pytorch/` is written by `scripts/make_pytorch_fixture.py` (numpy
 //! and the `safetensors` package; regenerate with `pip install numpy safetensors && python3
@@ -232,4 +233,173 @@ fn not_a_safetensors_file() {
     let err = import_pytorch_conv2d(b"PK\x03\x04 a zip archive", "features.0", None, &mut layer)
         .unwrap_err();
     assert!(err.reason.contains("not a valid safetensors file"), "{err}");
+}
+
+// -------------------------------------------------------------------------------------------
+// A whole network: `scripts/make_pytorch_network_fixture.py` writes the state dict of the
+// `nn.Sequential` mirroring `Mixed` (PyTorch 2.x, float32) and its float64 eval-mode output.
+
+const SEQUENTIAL: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/pytorch/sequential.safetensors"
+);
+const SEQUENTIAL_RENAMED: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/pytorch/sequential_renamed.safetensors"
+);
+const SEQUENTIAL_IO: &str = concat!(
+    env!("CARGO_MANIFEST_DIR"),
+    "/tests/data/pytorch/sequential_io.safetensors"
+);
+
+conv_runtime::network! {
+    /// The fixture's model: conv + BatchNorm + ReLU, max-pool, a residual block, avg-pool,
+    /// flatten of a 4x3x8 map, dense + Tanh, dense.
+    pub struct Mixed {
+        input: [9, 7, 3],
+        batch: 2,
+        layers: [
+            conv1: Conv2d {
+                out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
+                norm: BatchNorm { momentum: 0.1, eps: 1e-3 },
+            },
+            pool: MaxPool2d { kernel: 2 },
+            res: Residual { layers: [
+                act: Activation(Relu),
+                conv: Conv2d { out_channels: 8, kernel: 3, padding: 1 },
+            ] },
+            avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
+            flat: Flatten,
+            fc: Dense { out_features: 10, activation: Tanh },
+            out: Dense { out_features: 3 },
+        ],
+    }
+}
+
+conv_runtime::network! {
+    /// `Mixed` with a wider first dense layer: does not fit the file.
+    pub struct MixedWide {
+        input: [9, 7, 3],
+        batch: 2,
+        layers: [
+            conv1: Conv2d {
+                out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
+                norm: BatchNorm { momentum: 0.1, eps: 1e-3 },
+            },
+            pool: MaxPool2d { kernel: 2 },
+            res: Residual { layers: [
+                act: Activation(Relu),
+                conv: Conv2d { out_channels: 8, kernel: 3, padding: 1 },
+            ] },
+            avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
+            flat: Flatten,
+            fc: Dense { out_features: 12, activation: Tanh },
+            out: Dense { out_features: 3 },
+        ],
+    }
+}
+
+fn all_values<P: Parameters<Elem = f32>>(net: &mut P) -> Vec<f32> {
+    let mut values = Vec::new();
+    net.visit(&mut |_, v| values.extend_from_slice(v));
+    net.visit_buffers_mut(&mut |_, t| values.extend_from_slice(t.values()));
+    values
+}
+
+/// `net` evaluated on the fixture's input, against PyTorch's float64 output.
+fn assert_matches_pytorch(net: &Mixed) {
+    let io = Reader::open(SEQUENTIAL_IO).unwrap();
+    let x = fixture_nhwc(&io, "input", [2, 3, 9, 7]);
+    let x = MixedInput::<2>::from_fn(|i| x[i] as f32);
+    let mut y = MixedOutput::<2>::zeros();
+    net.evaluate(&mut Cpu::default(), &x, &mut y).unwrap();
+    let (shape, expected) = io.tensor_f64("output").unwrap();
+    assert_eq!(shape, [2, 3]);
+    let got: Vec<f64> = y.as_slice().iter().map(|&v| v as f64).collect();
+    assert_close("network output", &got, &expected, 1e-5);
+}
+
+#[test]
+fn a_whole_sequential_imports_by_its_indices() {
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(0));
+    Reader::open(SEQUENTIAL)
+        .unwrap()
+        .import_pytorch_network(&[], &mut net)
+        .unwrap();
+    assert_matches_pytorch(&net);
+}
+
+#[test]
+fn module_names_map_entries_to_a_custom_model() {
+    let bytes = std::fs::read(SEQUENTIAL_RENAMED).unwrap();
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(0));
+    let names = [
+        ("conv1", "torso.conv"),
+        ("conv1.norm", "torso.bn"),
+        ("res.conv", "torso.block.conv"),
+        ("fc", "head.fc"),
+        ("out", "head.out"),
+    ];
+    conv_runtime::safetensors::import_pytorch_network(&bytes, &names, &mut net).unwrap();
+    assert_matches_pytorch(&net);
+}
+
+#[test]
+fn the_dense_after_flatten_is_permuted_from_chw() {
+    let reader = Reader::open(SEQUENTIAL).unwrap();
+    let (shape, pt) = reader.tensor_f64("7.weight").unwrap();
+    assert_eq!(shape, [10, 96]);
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(0));
+    reader.import_pytorch_network(&[], &mut net).unwrap();
+    let mut ours = Vec::new();
+    net.visit(&mut |name, v| {
+        if name == "fc.weights" {
+            ours = v.to_vec();
+        }
+    });
+    // ours[o][(h, w, c)] = PyTorch's [o][(c, h, w)] over the 4x3x8 map.
+    let (o, h, w, c) = (6, 3, 1, 5);
+    assert_eq!(
+        ours[o * 96 + (h * 3 + w) * 8 + c] as f64,
+        pt[o * 96 + (c * 4 + h) * 3 + w]
+    );
+    // The second dense layer's inputs were never a map: as they are.
+    let (_, pt) = reader.tensor_f64("9.weight").unwrap();
+    net.visit(&mut |name, v| {
+        if name == "out.weights" {
+            assert_eq!(v.iter().map(|&x| x as f64).collect::<Vec<_>>(), pt);
+        }
+    });
+}
+
+#[test]
+fn network_mismatches_are_reported_together_and_change_nothing() {
+    let bytes = std::fs::read(SEQUENTIAL).unwrap();
+    let mut net = MixedWide::new(&mut Rng::seed_from_u64(0));
+    let before = all_values(&mut net);
+    let err = conv_runtime::safetensors::import_pytorch_network(
+        &bytes,
+        &[("head", "7"), ("res.conv", "4.1")],
+        &mut net,
+    )
+    .unwrap_err();
+    for part in [
+        "tensor `7.weight` has shape [10, 96], expected [12, 96]",
+        "tensor `9.weight` has shape [3, 10], expected [3, 12]",
+        "`head` in the module names is no entry",
+    ] {
+        assert!(err.reason.contains(part), "{part}: {err}");
+    }
+    assert_eq!(all_values(&mut net), before, "a failed import changed the network");
+
+    // Names shifted by one module: missing and unexpected tensors are both named.
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(0));
+    let err = conv_runtime::safetensors::import_pytorch_network(&bytes, &[("fc", "8")], &mut net)
+        .unwrap_err();
+    assert!(err.reason.contains("missing tensor `8.weight`"), "{err}");
+    assert!(
+        err.reason
+            .contains("unexpected tensor `7.weight`: no entry of the network takes it"),
+        "{err}"
+    );
 }

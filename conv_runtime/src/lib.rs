@@ -52,7 +52,7 @@ pub use element::{Element, Real};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};
 pub use loss::Loss;
-pub use network::NetworkDevice;
+pub use network::{Entries, EntryInfo, EntryKind, NetworkDevice};
 pub use optim::{Adam, RmsProp, Sgd};
 pub use params::{ParamTensor, Parameters};
 pub use rng::Rng;
@@ -119,7 +119,7 @@ pub mod __private {
     #[cfg(feature = "cuda")]
     pub use crate::cuda;
     pub use crate::init::kaiming_uniform;
-    pub use crate::network::{view, view_mut, Dense, DenseWeights};
+    pub use crate::network::{view, view_mut, Dense, DenseWeights, Entries, EntryInfo, EntryKind};
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, avx512vl, Simd};

@@ -112,3 +112,41 @@ impl<T, const O: usize, const I: usize> ParamTensor<T> for DenseWeights<'_, T, O
         &Self::SHAPE
     }
 }
+
+/// A generated network's entries in declaration order: what an importer needs to name its
+/// parameters in another framework's terms (see
+/// [`import_pytorch_network`](crate::safetensors::import_pytorch_network)).
+pub trait Entries {
+    /// The top-level entries; residual blocks hold theirs.
+    const ENTRIES: &'static [EntryInfo];
+}
+
+/// One entry of a network.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct EntryInfo {
+    /// The entry's name as declared.
+    pub name: &'static str,
+    pub kind: EntryKind,
+}
+
+/// What an entry is, as far as its parameters' names and layouts go.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum EntryKind {
+    /// A `Conv2d`: whether it normalizes (gamma, beta and, for BatchNorm, running statistics)
+    /// and whether it applies an activation other than `Identity`.
+    Conv2d {
+        norm: bool,
+        activation: bool,
+    },
+    /// A `Dense`: the `[h, w, c]` map its input features were flattened from (`[1, 1, n]` when
+    /// they were never a map), and whether it applies an activation other than `Identity`.
+    Dense {
+        flattened: [usize; 3],
+        activation: bool,
+    },
+    MaxPool2d,
+    AvgPool2d,
+    Activation,
+    Flatten,
+    Residual(&'static [EntryInfo]),
+}

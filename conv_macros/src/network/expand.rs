@@ -139,6 +139,7 @@ pub fn expand(net: &Network) -> TokenStream {
     let backward = backward_body(net, false);
     let backward_full = backward_body(net, true);
     let parameters = parameters_impl(net, name, &grads);
+    let entries = entries_impl(net, name);
     let final_output = state_output(net);
 
     let doc_device = format!(
@@ -304,6 +305,7 @@ pub fn expand(net: &Network) -> TokenStream {
         }
 
         #parameters
+        #entries
     }
 }
 
@@ -1213,6 +1215,53 @@ fn parameters_impl(net: &Network, name: &syn::Ident, grads: &syn::Ident) -> Toke
                 let _ = &f;
                 #buffers
             }
+        }
+    }
+}
+
+/// `Entries` for the network: each entry's kind, and for a `Dense` the map its features were
+/// flattened from (an importer's only way to reorder another framework's flattening).
+fn entries_impl(net: &Network, name: &syn::Ident) -> TokenStream {
+    fn list(rt: &TokenStream, entries: &[Entry]) -> TokenStream {
+        // The (h, w, c) layout of the features flowing into the next entry, while flat.
+        let mut flattened = None;
+        let items = entries.iter().map(|e| {
+            let label = e.name.to_string();
+            let kind = match &e.kind {
+                Kind::Conv(spec) => {
+                    let norm = !matches!(spec.norm, Norm::None);
+                    let activation = spec.activation != Activation::Identity;
+                    quote!(Conv2d { norm: #norm, activation: #activation })
+                }
+                Kind::Dense(spec) => {
+                    let [h, w, c] = flattened.unwrap_or_else(|| e.input.dims()).map(lit);
+                    let activation = spec.activation != Activation::Identity;
+                    quote!(Dense { flattened: [#h, #w, #c], activation: #activation })
+                }
+                Kind::Pool(PoolKind::Max, _) => quote!(MaxPool2d),
+                Kind::Pool(PoolKind::Avg, _) => quote!(AvgPool2d),
+                Kind::Activation(_) => quote!(Activation),
+                Kind::Flatten => quote!(Flatten),
+                Kind::Residual(inner) => {
+                    let inner = list(rt, inner);
+                    quote!(Residual(#inner))
+                }
+            };
+            flattened = match (&e.kind, e.input, e.output) {
+                (Kind::Flatten, Shape::Map(dims), _) => Some(dims),
+                (Kind::Activation(_), _, Shape::Flat(_)) => flattened,
+                _ => None,
+            };
+            quote!(#rt::EntryInfo { name: #label, kind: #rt::EntryKind::#kind })
+        });
+        let items: Vec<TokenStream> = items.collect();
+        quote!(&[#(#items),*])
+    }
+    let rt = rt();
+    let entries = list(&rt, &net.entries);
+    quote! {
+        impl #rt::Entries for #name {
+            const ENTRIES: &'static [#rt::EntryInfo] = #entries;
         }
     }
 }
