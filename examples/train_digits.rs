@@ -1,4 +1,4 @@
-//! A small CNN of generated conv layers trained on the UCI handwritten digits: 1,797 8x8 images
+//! A small CNN, one `network!`, trained on the UCI handwritten digits: 1,797 8x8 images
 //! with pixel values 0..16, 10 classes (the copy scikit-learn ships; see `examples/data/`).
 //!
 //! ```sh
@@ -7,10 +7,11 @@
 //! cargo run --release --example train_digits -- --help
 //! ```
 //!
-//! Network: conv1 `[8,8,1] -> 16`, kernel 3, padding 1, ReLU; conv2 `[8,8,16] -> 32`, kernel
-//! 3, stride 2, padding 1, BatchNorm, ReLU; a linear read-out `4*4*32 = 512 -> 10` with softmax
-//! cross-entropy (`conv_runtime::head::Linear`). Adam on all three, minibatches of 32,
-//! learning rate 5e-3 decayed to 0 over the run on a cosine (20 epochs by default).
+//! Network (`Net`, one `network!`): conv1 `[8,8,1] -> 16`, kernel 3, padding 1, ReLU; conv2
+//! `[8,8,16] -> 32`, kernel 3, stride 2, padding 1, BatchNorm, ReLU; flatten; a dense read-out
+//! `4*4*32 = 512 -> 10` with soft-max cross-entropy (`loss::softmax_cross_entropy`). One Adam
+//! steps the whole network; minibatches of 32, learning rate 5e-3 decayed to 0 over the run on
+//! a cosine (20 epochs by default).
 //!
 //! Devices: `--backend cpu` (default) or `onednn`, on `--threads N` threads (default 1;
 //! `Cpu::with_threads`, `OneDnn::with_threads`). The cpu device computes the same bits on any
@@ -42,7 +43,8 @@ use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::time::Instant;
 
-use conv_runtime::head::{argmax, Linear, LinearGrads};
+use conv_runtime::head::argmax;
+use conv_runtime::loss::softmax_cross_entropy;
 use conv_runtime::prelude::*;
 use conv_runtime::safetensors::{Reader, Writer};
 
@@ -55,8 +57,6 @@ const SAMPLES: usize = 1797;
 /// Held-out images (20%); a constant because `evaluate` takes the batch as a type parameter.
 const TEST: usize = 360;
 const BATCH: usize = 32;
-/// conv2's output, the read-out's input.
-const FEATURES: usize = 4 * 4 * 32;
 
 /// Seed of the train/test split: fixed, so every run tests on the same images.
 const SPLIT_SEED: u64 = 20_240_611;
@@ -74,18 +74,21 @@ const DATA: &str = concat!(env!("CARGO_MANIFEST_DIR"), "/examples/data/digits.cs
 /// Go Regular (BSD-3-Clause, examples/data/fonts/LICENSE): the plot's text needs no system fonts.
 const FONT: &[u8] = include_bytes!("data/fonts/Go-Regular.ttf");
 
-conv_runtime::conv2d! {
-    /// 8x8x1 digits -> 8x8x16 edge and stroke features.
-    pub struct Conv1 {
-        input: [8, 8, 1], out_channels: 16, kernel: 3, padding: 1, activation: Relu, batch: 32,
-    }
-}
-
-conv_runtime::conv2d! {
-    /// 8x8x16 -> 4x4x32, normalized per channel over the batch.
-    pub struct Conv2 {
-        input: [8, 8, 16], out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu,
-        norm: BatchNorm { momentum: 0.1, eps: 1e-5 }, batch: 32,
+conv_runtime::network! {
+    /// 8x8x1 digits -> 10 logits: edge and stroke features, then 4x4x32 features normalized
+    /// per channel over the batch, then a dense read-out.
+    pub struct Net {
+        input: [8, 8, 1],
+        batch: 32,
+        layers: [
+            conv1: Conv2d { out_channels: 16, kernel: 3, padding: 1, activation: Relu },
+            conv2: Conv2d {
+                out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu,
+                norm: BatchNorm { momentum: 0.1, eps: 1e-5 },
+            },
+            flat: Flatten,
+            readout: Dense { out_features: 10 },
+        ],
     }
 }
 
@@ -188,53 +191,38 @@ pub fn split(all: &Digits) -> (Digits, Digits) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// The read-out
-
-/// `logits = W h + b` with soft-max cross-entropy: the runtime's dense head, saved as
-/// `readout.weight` (`[CLASSES, 1, 1, FEATURES]`) and `readout.bias`.
-pub type Readout = Linear<f32, FEATURES, CLASSES>;
-
-// ---------------------------------------------------------------------------------------------
 // The network
 
-/// A device that runs both conv layers: the CPU, and whatever backends the runtime grows.
-pub trait Device: Conv1Device + Conv2Device {}
-impl<D: Conv1Device + Conv2Device> Device for D {}
-
-/// The trainable network.
+/// The trainable network and what it is evaluated and saved with.
 pub struct Model {
-    pub conv1: Conv1,
-    pub conv2: Conv2,
-    pub readout: Readout,
+    pub net: Net,
 }
 
 impl Model {
     pub fn new(rng: &mut Rng) -> Self {
-        Self {
-            conv1: Conv1::new(rng),
-            conv2: Conv2::new(rng),
-            readout: Readout::new(rng),
-        }
+        Self { net: Net::new(rng) }
     }
 
     /// Logits of the whole test set through `evaluate` (BatchNorm's running statistics).
     pub fn test_logits(
         &self,
-        device: &mut impl Device,
+        device: &mut impl NetDevice,
         test: &Digits,
     ) -> conv_runtime::Result<Vec<[f32; CLASSES]>> {
-        let x = Tensor::<f32, TEST, 8, 8, 1>::from_vec(test.images.clone())?;
-        let mut h1 = Tensor::<f32, TEST, 8, 8, 16>::zeros();
-        let mut h2 = Tensor::<f32, TEST, 4, 4, 32>::zeros();
-        self.conv1.evaluate(device, &x, &mut h1)?;
-        self.conv2.evaluate(device, &h1, &mut h2)?;
-        self.readout.logits(h2.as_slice())
+        let x = NetInput::<TEST>::from_vec(test.images.clone())?;
+        let mut logits = NetOutput::<TEST>::zeros();
+        self.net.evaluate(device, &x, &mut logits)?;
+        Ok(logits
+            .as_slice()
+            .chunks_exact(CLASSES)
+            .map(|z| std::array::from_fn(|k| z[k]))
+            .collect())
     }
 
     /// Fraction of the test set classified correctly.
     pub fn test_accuracy(
         &self,
-        device: &mut impl Device,
+        device: &mut impl NetDevice,
         test: &Digits,
     ) -> conv_runtime::Result<f64> {
         let logits = self.test_logits(device, test)?;
@@ -249,19 +237,12 @@ impl Model {
     /// Saves the parameters (and BatchNorm's running statistics) as `conv1.*`, `conv2.*`,
     /// `readout.*` in one safetensors file.
     pub fn save(&mut self, path: &Path) -> conv_runtime::Result<()> {
-        Writer::new()
-            .add("conv1", &mut self.conv1)?
-            .add("conv2", &mut self.conv2)?
-            .add("readout", &mut self.readout)?
-            .write_file(path)
+        Writer::new().add("", &mut self.net)?.write_file(path)
     }
 
     /// Loads what [`Model::save`] wrote, checking every name, shape and dtype.
     pub fn load(&mut self, path: &Path) -> conv_runtime::Result<()> {
-        let file = Reader::open(path)?;
-        file.load("conv1", &mut self.conv1)?;
-        file.load("conv2", &mut self.conv2)?;
-        file.load("readout", &mut self.readout)
+        Reader::open(path)?.load("", &mut self.net)
     }
 }
 
@@ -296,26 +277,18 @@ pub struct Trained {
 
 /// Trains a new network on `train` with `device`, reporting per epoch.
 pub fn train(
-    device: &mut impl Device,
+    device: &mut impl NetDevice,
     train: &Digits,
     test: &Digits,
     config: &Config,
 ) -> conv_runtime::Result<Trained> {
     let mut rng = Rng::seed_from_u64(config.seed);
     let mut model = Model::new(&mut rng);
-    let (mut adam1, mut adam2, mut adam_readout) = (
-        Adam::new(LEARNING_RATE),
-        Adam::new(LEARNING_RATE),
-        Adam::new(LEARNING_RATE),
-    );
-    let mut grads1 = Conv1Grads::zeros();
-    let mut grads2 = Conv2Grads::zeros();
-    let mut grads_readout = LinearGrads::zeros();
-    let mut state1 = Conv1State::new();
-    let mut state2 = Conv2State::new();
-    let mut x = Tensor::<f32, BATCH, 8, 8, 1>::zeros();
-    let mut d_h2 = Tensor::<f32, BATCH, 4, 4, 32>::zeros();
-    let mut d_h1 = Tensor::<f32, BATCH, 8, 8, 16>::zeros();
+    let mut adam = Adam::new(LEARNING_RATE);
+    let mut grads = NetGrads::zeros();
+    let mut state = NetState::new();
+    let mut x = NetInput::<BATCH>::zeros();
+    let mut d_logits = NetOutput::<BATCH>::zeros();
     let mut labels = [0usize; BATCH];
 
     let batches = train.len() / BATCH;
@@ -327,9 +300,7 @@ pub fn train(
         // Cosine decay of the learning rate over the run: large steps early, fine ones late.
         let progress = (epoch - 1) as f32 / config.epochs as f32;
         let lr = LEARNING_RATE * 0.5 * (1.0 + (std::f32::consts::PI * progress).cos());
-        for adam in [&mut adam1, &mut adam2, &mut adam_readout] {
-            adam.lr = lr;
-        }
+        adam.lr = lr;
         shuffle(&mut order, &mut rng);
         let started = Instant::now();
         let (mut loss_sum, mut correct) = (0.0f64, 0usize);
@@ -340,38 +311,17 @@ pub fn train(
                 labels[b] = train.labels[i];
             }
 
-            model.conv1.forward(device, &x, &mut state1, Mode::Train)?;
+            model.net.forward(device, &x, &mut state, Mode::Train)?;
+            let loss = softmax_cross_entropy(state.output(), &labels, &mut d_logits)?;
+            // The input needs no gradient: only the parameters'.
             model
-                .conv2
-                .forward(device, state1.output(), &mut state2, Mode::Train)?;
-            let loss = model.readout.softmax_cross_entropy(
-                state2.output().as_slice(),
-                &labels,
-                &mut grads_readout,
-                d_h2.as_mut_slice(),
-            )?;
-            let (loss, hits) = (loss.mean, loss.correct);
-            // conv1's input needs no gradient: only its parameters'.
-            model.conv2.backward_full(
-                device,
-                &state2,
-                state1.output(),
-                &d_h2,
-                &mut d_h1,
-                &mut grads2,
-                Mode::Train,
-            )?;
-            model
-                .conv1
-                .backward(device, &state1, &x, &d_h1, &mut grads1, Mode::Train)?;
-            adam1.step(&mut model.conv1, &grads1);
-            adam2.step(&mut model.conv2, &grads2);
-            adam_readout.step(&mut model.readout, &grads_readout);
-            grads1.zero();
-            grads2.zero();
-            grads_readout.zero();
+                .net
+                .backward(device, &state, &x, &d_logits, &mut grads, Mode::Train)?;
+            adam.step(&mut model.net, &grads);
+            grads.zero();
+            let (loss, hits) = (loss.mean, loss.correct.unwrap_or(0));
 
-            loss_sum += loss as f64;
+            loss_sum += loss;
             correct += hits;
             if let Some(bar) = &bar {
                 bar.set_position(n as u64 + 1);
@@ -717,7 +667,7 @@ fn run_on_backend(args: &Args) -> Result<f64, Failure> {
 }
 
 /// Trains, reports, plots, saves and checks the reload; returns the test accuracy.
-fn run(device: &mut impl Device, args: &Args) -> Result<f64, Failure> {
+fn run(device: &mut impl NetDevice, args: &Args) -> Result<f64, Failure> {
     let all = load_digits(&args.data).map_err(Failure::Run)?;
     let (train_set, test_set) = split(&all);
     println!(

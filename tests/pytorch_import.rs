@@ -390,7 +390,11 @@ fn network_mismatches_are_reported_together_and_change_nothing() {
     ] {
         assert!(err.reason.contains(part), "{part}: {err}");
     }
-    assert_eq!(all_values(&mut net), before, "a failed import changed the network");
+    assert_eq!(
+        all_values(&mut net),
+        before,
+        "a failed import changed the network"
+    );
 
     // Names shifted by one module: missing and unexpected tensors are both named.
     let mut net = Mixed::new(&mut Rng::seed_from_u64(0));
