@@ -573,3 +573,174 @@ mod training {
         );
     }
 }
+
+/// `network!` on the GPU, device-resident (`NetCuda`): a network with every kind (conv with
+/// BatchNorm, max and average pooling with padding, a residual block, standalone activations,
+/// flatten, dense layers) against the CPU's generated code, in f32 and f64: evaluate at three
+/// batches, forward in both modes (BatchNorm's running statistics), both backward passes, and
+/// optimizer steps on the GPU that equal the CPU's bit for bit from the same gradients.
+macro_rules! network_equivalence {
+    ($module:ident, $dtype:ident) => {
+        mod $module {
+            use crate::common::{convert, SplitMix64};
+            use crate::{gpu, gradient_tolerance, same, tolerance};
+            use conv_runtime::cuda::CudaTensor;
+            use conv_runtime::prelude::*;
+
+            conv_runtime::network! {
+                pub struct Net {
+                    input: [9, 7, 3],
+                    batch: 4,
+                    dtype: $dtype,
+                    layers: [
+                        conv1: Conv2d {
+                            out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
+                            norm: BatchNorm { momentum: 0.3, eps: 1e-3 },
+                        },
+                        pool: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+                        res: Residual { layers: [
+                            act: Activation(Relu),
+                            conv: Conv2d { out_channels: 8, kernel: 3, padding: 1, activation: Tanh },
+                        ] },
+                        avg: AvgPool2d { kernel: 2, stride: 1, padding: 1 },
+                        squash: Activation(Sigmoid),
+                        flat: Flatten,
+                        fc: Dense { out_features: 10, activation: Relu },
+                        out: Dense { out_features: 4 },
+                    ],
+                }
+            }
+
+            type T = $dtype;
+            type A = <T as Element>::Acc;
+            const B: usize = 4;
+
+            /// Every tensor `visit` (parameters) or `visit_buffers_mut` (running statistics)
+            /// shows, by name.
+            fn values(net: &mut Net) -> Vec<(String, Vec<f64>)> {
+                let mut all = Vec::new();
+                net.visit(&mut |name, v| all.push((name.to_string(), v.iter().map(|x| x.to_f64()).collect())));
+                net.visit_buffers_mut(&mut |name, t| {
+                    all.push((name.to_string(), t.values().iter().map(|x| x.to_f64()).collect()))
+                });
+                all
+            }
+
+            /// Every gradient in `grads`, by name.
+            fn gradients(grads: &NetGrads) -> Vec<(String, Vec<f64>)> {
+                let mut all = Vec::new();
+                Net::new(&mut Rng::seed_from_u64(0)).visit_mut(grads, &mut |name, _, g| {
+                    all.push((name.to_string(), g.iter().map(|x| x.to_f64()).collect()))
+                });
+                all
+            }
+
+            #[test]
+            fn resident_network_matches_the_cpu() {
+                let Some(mut cuda) = gpu() else { return };
+                let tol = tolerance::<T>();
+                let mut data = SplitMix64::new(0x0c0d_c000);
+                let net = Net::new(&mut Rng::seed_from_u64(7));
+                let mut cpu = Cpu::default();
+                let mut on_gpu = NetCuda::upload(&cuda, &net).unwrap();
+
+                // Inference at batches 1, 3 and the training batch.
+                macro_rules! evaluate_at {
+                    ($b:literal) => {{
+                        let x = NetInput::<$b>::from_vec(convert(&data.values(NetInput::<$b>::LEN))).unwrap();
+                        let mut y_cpu = NetOutput::<$b>::zeros();
+                        net.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
+                        let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
+                        let mut y_gpu = CudaTensor::<T, $b, 1, 1, 4>::zeros(&cuda).unwrap();
+                        on_gpu.evaluate(&mut cuda, &x_gpu, &mut y_gpu).unwrap();
+                        let y_gpu = y_gpu.download(&cuda).unwrap();
+                        same(concat!("evaluate at batch ", $b), y_cpu.as_slice(), y_gpu.as_slice(), tol);
+                    }};
+                }
+                evaluate_at!(1);
+                evaluate_at!(3);
+                evaluate_at!(4);
+
+                let x = NetInput::<B>::from_vec(convert(&data.values(NetInput::<B>::LEN))).unwrap();
+                let d_output = NetOutput::<B>::from_vec(convert(&data.values(NetOutput::<B>::LEN))).unwrap();
+                let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
+                let dy_gpu = CudaTensor::upload(&cuda, &Tensor::<T, B, 1, 1, 4>::from_vec(d_output.as_slice().to_vec()).unwrap()).unwrap();
+                let rows = B * 9 * 7;
+                for mode in [Mode::Train, Mode::Eval] {
+                    let bn_train = matches!(mode, Mode::Train);
+                    let (mut n_cpu, mut n_gpu) = (net.clone(), NetCuda::upload(&cuda, &net).unwrap());
+                    let (mut s_cpu, mut s_gpu) = (NetState::new(), NetCudaState::new(&cuda).unwrap());
+                    n_cpu.forward(&mut cpu, &x, &mut s_cpu, mode).unwrap();
+                    n_gpu.forward(&mut cuda, &x_gpu, &mut s_gpu, mode).unwrap();
+                    let y = s_gpu.output().download(&cuda).unwrap();
+                    same("forward", s_cpu.output().as_slice(), y.as_slice(), tol);
+                    let mut back = Net::new(&mut Rng::seed_from_u64(1));
+                    n_gpu.download_into(&cuda, &mut back).unwrap();
+                    for ((name, c), (_, g)) in values(&mut n_cpu).iter().zip(&values(&mut back)) {
+                        same(&format!("after forward: {name}"), c, g, tol);
+                    }
+
+                    let (mut dx_cpu, mut g_cpu) = (NetInput::<B>::zeros(), NetGrads::zeros());
+                    n_cpu.backward_full(&mut cpu, &s_cpu, &x, &d_output, &mut dx_cpu, &mut g_cpu, mode).unwrap();
+                    let mut dx_gpu = CudaTensor::zeros(&cuda).unwrap();
+                    let mut g_gpu = NetCudaGrads::zeros(&cuda).unwrap();
+                    n_gpu.backward_full(&mut cuda, &s_gpu, &x_gpu, &dy_gpu, &mut dx_gpu, &mut g_gpu, mode).unwrap();
+                    same("backward_full d_input", dx_cpu.as_slice(), dx_gpu.download(&cuda).unwrap().as_slice(), tol);
+                    let mut g_host = NetGrads::zeros();
+                    g_gpu.download_into(&cuda, &mut g_host).unwrap();
+                    for ((name, c), (_, g)) in gradients(&g_cpu).iter().zip(&gradients(&g_host)) {
+                        let field = name.rsplit('.').next().unwrap_or("");
+                        let t = if name.starts_with("conv1.") { gradient_tolerance(field, bn_train, rows, tol) } else { tol };
+                        same(&format!("backward_full d_{name}"), c, g, t);
+                    }
+
+                    // `backward` adds the parameter gradients again.
+                    n_gpu.backward(&mut cuda, &s_gpu, &x_gpu, &dy_gpu, &mut g_gpu, mode).unwrap();
+                    let mut twice = NetGrads::zeros();
+                    g_gpu.download_into(&cuda, &mut twice).unwrap();
+                    for ((name, once), (_, two)) in gradients(&g_host).iter().zip(&gradients(&twice)) {
+                        let doubled: Vec<f64> = once.iter().map(|g| 2.0 * g).collect();
+                        same(&format!("backward accumulates d_{name}"), &doubled, two, tol);
+                    }
+                }
+
+                // Training steps on the GPU equal the CPU's from the same gradients.
+                let mut reference = net.clone();
+                let mut s_gpu = NetCudaState::new(&cuda).unwrap();
+                let mut g_gpu = NetCudaGrads::zeros(&cuda).unwrap();
+                let mut g_host = NetGrads::zeros();
+                let lr = <A as Element>::from_f64(1e-2);
+                let (mut adam_cpu, mut adam_gpu) = (Adam::new(lr), Adam::new(lr));
+                let rmsprop = || RmsProp::new(lr).with_centered(true).with_alpha(<A as Element>::from_f64(0.95));
+                let (mut rms_cpu, mut rms_gpu) = (rmsprop(), rmsprop());
+                let mut check = Net::new(&mut Rng::seed_from_u64(2));
+                for step in 0..4 {
+                    g_gpu.zero(&cuda).unwrap();
+                    on_gpu.forward(&mut cuda, &x_gpu, &mut s_gpu, Mode::Train).unwrap();
+                    on_gpu.backward(&mut cuda, &s_gpu, &x_gpu, &dy_gpu, &mut g_gpu, Mode::Train).unwrap();
+                    g_gpu.download_into(&cuda, &mut g_host).unwrap();
+                    // The CPU follows the GPU's running statistics and parameters.
+                    on_gpu.download_into(&cuda, &mut check).unwrap();
+                    if step < 2 {
+                        adam_cpu.step(&mut reference, &g_host);
+                        adam_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
+                    } else {
+                        rms_cpu.step(&mut reference, &g_host);
+                        rms_gpu.step_cuda(&mut cuda, &mut on_gpu, &g_gpu).unwrap();
+                    }
+                    on_gpu.download_into(&cuda, &mut check).unwrap();
+                    let (mut expected, mut got) = (Vec::new(), Vec::new());
+                    reference.visit(&mut |name, v| expected.push((name.to_string(), v.to_vec())));
+                    check.visit(&mut |name, v| got.push((name.to_string(), v.to_vec())));
+                    for ((name, e), (_, g)) in expected.iter().zip(&got) {
+                        let bits = |v: &[T]| v.iter().map(|x| x.to_f64().to_bits()).collect::<Vec<_>>();
+                        assert!(bits(e) == bits(g), "step {step}: the GPU optimizer's `{name}` differs from the CPU's");
+                    }
+                }
+            }
+        }
+    };
+}
+
+network_equivalence!(network_f32, f32);
+network_equivalence!(network_f64, f64);

@@ -185,3 +185,49 @@ fn optimizer_kernels_compile() {
         }
     }
 }
+
+/// `network!`'s own kernels (pooling, standalone activations, residual sums), one source per
+/// entry, in every element type: each compiles without a warning and defines exactly its list.
+mod network_entries {
+    #![allow(dead_code)]
+
+    macro_rules! net {
+        ($module:ident, $dtype:ident) => {
+            mod $module {
+                conv_runtime::network! {
+                    pub struct Net {
+                        input: [11, 9, 5],
+                        batch: 3,
+                        dtype: $dtype,
+                        layers: [
+                            max: MaxPool2d { kernel: [3, 2], stride: [2, 1], padding: [1, 1] },
+                            res: Residual { layers: [
+                                gelu: Activation(Gelu),
+                                conv: Conv2d { out_channels: 5, kernel: 3, padding: 1 },
+                            ] },
+                            avg: AvgPool2d { kernel: 3, stride: 2, padding: 1 },
+                            tanh: Activation(FastTanh),
+                            flat: Flatten,
+                            fc: Dense { out_features: 3 },
+                        ],
+                    }
+                }
+
+                #[test]
+                fn entries_compile_with_their_kernels() {
+                    let entries: Vec<&str> =
+                        Net::__CUDA_SOURCES.iter().map(|(e, _, _)| *e).collect();
+                    assert_eq!(entries, ["max", "res", "res.gelu", "avg", "tanh"]);
+                    for (_, source, kernels) in Net::__CUDA_SOURCES {
+                        super::super::check(source, kernels, false, false);
+                    }
+                }
+            }
+        };
+    }
+
+    net!(f32_net, f32);
+    net!(f64_net, f64);
+    net!(f16_net, f16);
+    net!(bf16_net, bf16);
+}

@@ -171,6 +171,24 @@ const DIRECT_BACKWARD: File = File {
     ],
 };
 
+const NETWORK: File = File {
+    name: "conv_macros/kernels/network.cu",
+    text: include_str!("../../kernels/network.cu"),
+    kernels: &[],
+};
+
+/// The source of a `network!` entry's kernels (pooling, activation, residual sum): its
+/// generated `header` (constants as a layer's, and the `NETWORK_*` kind), then the shared
+/// definitions and `kernels/network.cu`.
+pub(crate) fn entry_source(header: String) -> String {
+    let mut out = header;
+    for file in [COMMON, NETWORK] {
+        out.push_str(&format!("#line 1 \"{}\"\n", file.name));
+        out.push_str(file.text);
+    }
+    out
+}
+
 pub fn expand(spec: &Spec) -> TokenStream {
     let layer = &spec.ident;
     let plan = Plan::of(spec);

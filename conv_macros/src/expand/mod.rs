@@ -2,7 +2,7 @@
 
 mod backward;
 pub(crate) mod cpu;
-mod cuda;
+pub(crate) mod cuda;
 mod dense;
 mod kernel;
 mod norm;

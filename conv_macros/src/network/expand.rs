@@ -26,7 +26,7 @@ use crate::spec::{Activation, Norm};
 
 /// The Rust path of an entry's field (`block.conv1`) and its name in `Parameters`
 /// (`block.conv1`).
-fn dotted(path: &str) -> String {
+pub(super) fn dotted(path: &str) -> String {
     path.replace("__", ".")
 }
 
@@ -140,6 +140,7 @@ pub fn expand(net: &Network) -> TokenStream {
     let backward_full = backward_body(net, true);
     let parameters = parameters_impl(net, name, &grads);
     let entries = entries_impl(net, name);
+    let cuda = super::cuda::expand(net);
     let final_output = state_output(net);
 
     let doc_device = format!(
@@ -306,6 +307,7 @@ pub fn expand(net: &Network) -> TokenStream {
 
         #parameters
         #entries
+        #cuda
     }
 }
 
@@ -426,7 +428,7 @@ fn shared_impls(
 }
 
 /// The Rust access path of an entry inside `root` (`self.block.conv1`).
-fn access(root: TokenStream, path: &str) -> TokenStream {
+pub(super) fn access(root: TokenStream, path: &str) -> TokenStream {
     let parts = path.split("__").map(|p| format_ident!("{}", p));
     quote!(#root #(.#parts)*)
 }

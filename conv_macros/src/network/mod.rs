@@ -1,6 +1,7 @@
 //! The `network!` macro: a whole network declared once, parse -> validate -> expand like
 //! `conv2d!` (whose `ast` and parser it shares: `layers: [name: Kind, ...]` is a list value).
 
+mod cuda;
 mod expand;
 mod spec;
 mod valid;
@@ -87,10 +88,20 @@ fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ident) 
 #[cfg(test)]
 pub fn public_names(net: &spec::Network) -> Vec<String> {
     let name = &net.ident;
-    let mut names: Vec<String> = ["", "Grads", "State", "Device", "Input", "Output"]
-        .iter()
-        .map(|suffix| format!("{name}{suffix}"))
-        .collect();
+    let mut names: Vec<String> = [
+        "",
+        "Grads",
+        "State",
+        "Device",
+        "Input",
+        "Output",
+        "Cuda",
+        "CudaGrads",
+        "CudaState",
+    ]
+    .iter()
+    .map(|suffix| format!("{name}{suffix}"))
+    .collect();
     names.push(format!("__{name}"));
     // The layers' and residual blocks' items inside the hidden module.
     for e in net.all_entries() {

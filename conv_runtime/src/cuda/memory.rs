@@ -178,6 +178,8 @@ pub trait CudaParamTensor {
 macro_rules! device_dense {
     ($(#[$doc:meta])* $name:ident => $host:ident [$($dim:ident),+]) => {
         $(#[$doc])*
+        // `repr(C)`: every shape has the same layout, so `reshape` is a pointer cast.
+        #[repr(C)]
         pub struct $name<T, $(const $dim: usize),+> {
             buf: Buf,
             stamp: u64,
@@ -287,3 +289,25 @@ device_dense!(
     /// A [`Vector`] in GPU memory.
     CudaVector => Vector [N]
 );
+
+/// `t` as a tensor of the same batch and length in another shape: `network!`'s `Flatten` (a
+/// map as `[B, 1, 1, H * W * C]` features) on the GPU, without a copy.
+///
+/// # Panics
+/// When the lengths differ (generated code calls it with shapes chained at expansion time).
+pub fn reshape<
+    T,
+    const B: usize,
+    const H: usize,
+    const W: usize,
+    const C: usize,
+    const H2: usize,
+    const W2: usize,
+    const C2: usize,
+>(
+    t: &CudaTensor<T, B, H, W, C>,
+) -> &CudaTensor<T, B, H2, W2, C2> {
+    assert!(H * W * C == H2 * W2 * C2, "a reshape keeps the length");
+    // SAFETY: `CudaTensor` is `repr(C)` with fields independent of the shape parameters.
+    unsafe { &*(t as *const CudaTensor<T, B, H, W, C>).cast::<CudaTensor<T, B, H2, W2, C2>>() }
+}

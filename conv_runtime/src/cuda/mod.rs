@@ -18,7 +18,7 @@ pub mod nvrtc;
 pub(crate) mod optim;
 
 pub use device::{blocks_for, Arg, ConvGeometry, Cuda, DeviceElement, LayerSetup, Session};
-pub use memory::{Buf, CudaParamTensor, CudaTensor, CudaVector};
+pub use memory::{reshape, Buf, CudaParamTensor, CudaTensor, CudaVector};
 pub use optim::{CudaParameters, OPTIMIZER_KERNELS, OPTIMIZER_SOURCE};
 
 /// Threads per block of every generated kernel (1-D blocks); any number of blocks is correct.
