@@ -354,6 +354,7 @@ fn train_digits_model_reloads_with_identical_outputs() {
     );
     assert!(trained
         .model
+        .net
         .conv2
         .running_var
         .as_slice()
