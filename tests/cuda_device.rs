@@ -423,59 +423,51 @@ fn direct_layers_need_no_cudnn() {
 }
 
 /// tests/training.rs's synthetic task (which quadrant of a noisy 16x16 image holds a bright 3x3
-/// blob) with both convolutions on the GPU, device-resident, stepped by Adam on the GPU: conv1 (ReLU) -> conv2 (BatchNorm, ReLU) -> a linear
-/// read-out on the host, Adam, minibatches of 32, 6 epochs; >= 95% held-out accuracy through
-/// `evaluate`, and two runs with the same seed bit-identical (every GPU reduction has a fixed
-/// order).
+/// blob) trained by one `network!` on the GPU, device-resident: conv1 (ReLU) -> conv2
+/// (BatchNorm, ReLU) -> flatten -> dense read-out, one Adam stepping the whole network on the
+/// GPU, minibatches of 32, 6 epochs; >= 95% held-out accuracy through `evaluate`, and two runs
+/// with the same seed bit-identical (every GPU reduction has a fixed order).
 mod training {
     use super::gpu;
-    use conv_runtime::head::{argmax, Linear, LinearGrads};
+    use conv_runtime::cuda::CudaTensor;
+    use conv_runtime::head::argmax;
+    use conv_runtime::loss::softmax_cross_entropy;
     use conv_runtime::prelude::*;
 
-    use crate::common::quadrants::{
-        dataset, BATCH, CLASSES, EPOCHS, FEATURES, PIXELS, TEST, TRAIN,
-    };
+    use crate::common::quadrants::{dataset, BATCH, CLASSES, EPOCHS, PIXELS, TEST, TRAIN};
 
-    conv_runtime::conv2d! {
-        pub struct Conv1 {
-            input: [16, 16, 1], out_channels: 8, kernel: 3, stride: 2, padding: 1,
-            activation: Relu, batch: 32,
+    conv_runtime::network! {
+        pub struct Net {
+            input: [16, 16, 1],
+            batch: 32,
+            layers: [
+                conv1: Conv2d { out_channels: 8, kernel: 3, stride: 2, padding: 1, activation: Relu },
+                conv2: Conv2d {
+                    out_channels: 16, kernel: 3, stride: 2, padding: 1, activation: Relu,
+                    norm: BatchNorm { momentum: 0.1, eps: 1e-5 },
+                },
+                flat: Flatten,
+                readout: Dense { out_features: 4 },
+            ],
         }
     }
 
-    conv_runtime::conv2d! {
-        pub struct Conv2 {
-            input: [8, 8, 8], out_channels: 16, kernel: 3, stride: 2, padding: 1,
-            activation: Relu, norm: BatchNorm { momentum: 0.1, eps: 1e-5 }, batch: 32,
-        }
-    }
-
-    /// The read-out on the host (`conv_runtime::head::Linear`).
-    type Readout = Linear<f32, FEATURES, CLASSES>;
-
-    /// Epoch losses and held-out accuracy of one run. The convolutions' parameters, states,
-    /// gradients and optimizer state stay on the GPU for the whole run; per minibatch the
-    /// images go up, conv2's features come down to the host read-out and their gradient goes up.
+    /// Epoch losses and held-out accuracy of one run. The parameters, state, gradients and
+    /// optimizer state stay on the GPU for the whole run; per minibatch the images go up, the
+    /// logits come down to the loss and their gradient goes up.
     fn run(cuda: &mut Cuda, seed: u64) -> (Vec<f32>, f64) {
         let mut rng = Rng::seed_from_u64(seed);
         let train = dataset(TRAIN, &mut rng);
         let test = dataset(TEST, &mut rng);
-        let mut conv1 = Conv1Cuda::upload(cuda, &Conv1::new(&mut rng)).unwrap();
-        let mut conv2 = Conv2Cuda::upload(cuda, &Conv2::new(&mut rng)).unwrap();
-        let mut readout = Readout::new(&mut rng);
-        let (mut adam1, mut adam2, mut adam3) = (Adam::new(1e-2), Adam::new(1e-2), Adam::new(1e-2));
-        let mut g1 = Conv1CudaGrads::zeros(cuda).unwrap();
-        let mut g2 = Conv2CudaGrads::zeros(cuda).unwrap();
-        let mut g3 = LinearGrads::zeros();
-        let mut s1 = Conv1CudaState::new(cuda).unwrap();
-        let mut s2 = Conv2CudaState::new(cuda).unwrap();
-        let mut x = Tensor::<f32, BATCH, 16, 16, 1>::zeros();
+        let mut net = NetCuda::upload(cuda, &Net::new(&mut rng)).unwrap();
+        let mut adam = Adam::new(1e-2);
+        let mut grads = NetCudaGrads::zeros(cuda).unwrap();
+        let mut state = NetCudaState::new(cuda).unwrap();
+        let mut x = NetInput::<BATCH>::zeros();
         let mut x_gpu = CudaTensor::zeros(cuda).unwrap();
-        let mut h = Tensor::<f32, BATCH, 4, 4, 16>::zeros();
-        let mut d_out2 = Tensor::<f32, BATCH, 4, 4, 16>::zeros();
-        let mut d_out2_gpu = CudaTensor::zeros(cuda).unwrap();
-        let mut d_out1_gpu = CudaTensor::<f32, BATCH, 8, 8, 8>::zeros(cuda).unwrap();
-        let mut d_h = vec![0.0f32; BATCH * FEATURES];
+        let mut logits = Tensor::<f32, BATCH, 1, 1, CLASSES>::zeros();
+        let mut d_logits = NetOutput::<BATCH>::zeros();
+        let mut d_logits_gpu = CudaTensor::zeros(cuda).unwrap();
         let mut labels = vec![0usize; BATCH];
         let mut order: Vec<usize> = (0..TRAIN).collect();
         let mut losses = Vec::new();
@@ -492,58 +484,34 @@ mod training {
                     labels[b] = train.labels[i];
                 }
                 x_gpu.copy_from_host(cuda, &x).unwrap();
-                conv1.forward(cuda, &x_gpu, &mut s1, Mode::Train).unwrap();
-                conv2
-                    .forward(cuda, s1.output(), &mut s2, Mode::Train)
-                    .unwrap();
-                s2.output().download_into(cuda, &mut h).unwrap();
-                let loss = readout
-                    .softmax_cross_entropy(h.as_slice(), &labels, &mut g3, &mut d_h)
+                net.forward(cuda, &x_gpu, &mut state, Mode::Train).unwrap();
+                state.output().download_into(cuda, &mut logits).unwrap();
+                let host_logits = NetOutput::<BATCH>::from_vec(logits.as_slice().to_vec()).unwrap();
+                let loss = softmax_cross_entropy(&host_logits, &labels, &mut d_logits)
                     .unwrap()
-                    .mean;
+                    .mean as f32;
                 assert!(loss.is_finite(), "loss {loss}");
-                d_out2.as_mut_slice().copy_from_slice(&d_h);
-                d_out2_gpu.copy_from_host(cuda, &d_out2).unwrap();
-                conv2
-                    .backward_full(
-                        cuda,
-                        &s2,
-                        s1.output(),
-                        &d_out2_gpu,
-                        &mut d_out1_gpu,
-                        &mut g2,
-                        Mode::Train,
-                    )
+                let d_host = Tensor::from_vec(d_logits.as_slice().to_vec()).unwrap();
+                d_logits_gpu.copy_from_host(cuda, &d_host).unwrap();
+                net.backward(cuda, &state, &x_gpu, &d_logits_gpu, &mut grads, Mode::Train)
                     .unwrap();
-                conv1
-                    .backward(cuda, &s1, &x_gpu, &d_out1_gpu, &mut g1, Mode::Train)
-                    .unwrap();
-                adam1.step_cuda(cuda, &mut conv1, &g1).unwrap();
-                adam2.step_cuda(cuda, &mut conv2, &g2).unwrap();
-                adam3.step(&mut readout, &g3);
-                g1.zero(cuda).unwrap();
-                g2.zero(cuda).unwrap();
-                g3.zero();
+                adam.step_cuda(cuda, &mut net, &grads).unwrap();
+                grads.zero(cuda).unwrap();
                 epoch += loss;
             }
             losses.push(epoch / (TRAIN / BATCH) as f32);
         }
-        let x_test = CudaTensor::upload(
-            cuda,
-            &Tensor::<f32, TEST, 16, 16, 1>::from_vec(test.images).unwrap(),
-        )
-        .unwrap();
-        let mut y1 = CudaTensor::<f32, TEST, 8, 8, 8>::zeros(cuda).unwrap();
-        let mut y2 = CudaTensor::<f32, TEST, 4, 4, 16>::zeros(cuda).unwrap();
-        conv1.evaluate(cuda, &x_test, &mut y1).unwrap();
-        conv2.evaluate(cuda, &y1, &mut y2).unwrap();
-        let y2 = y2.download(cuda).unwrap();
-        let correct = readout
-            .logits(y2.as_slice())
-            .unwrap()
-            .iter()
+        let x_test =
+            CudaTensor::upload(cuda, &NetInput::<TEST>::from_vec(test.images).unwrap()).unwrap();
+        let mut y = CudaTensor::<f32, TEST, 1, 1, CLASSES>::zeros(cuda).unwrap();
+        net.evaluate(cuda, &x_test, &mut y).unwrap();
+        let y = y.download(cuda).unwrap();
+        let correct = y
+            .as_slice()
+            .chunks_exact(CLASSES)
+            .map(argmax)
             .zip(&test.labels)
-            .filter(|(z, &label)| argmax(&z[..]) == label)
+            .filter(|(p, label)| p == *label)
             .count();
         (losses, correct as f64 / TEST as f64)
     }

@@ -2,9 +2,9 @@
 //! 3x3 blob (4 classes).
 //!
 //! Network: conv1 ([16,16,1] -> 8 channels, kernel 3, stride 2, padding 1, ReLU) -> conv2
-//! ([8,8,8] -> 16 channels, kernel 3, stride 2, padding 1, BatchNorm, ReLU) -> a linear read-out
-//! (4x4x16 = 256 -> 4, `conv_runtime::head::Linear`) with softmax cross-entropy, trained with the
-//! same `Adam` through its `Parameters` implementation. Trained with minibatches of 32 on 1024 images,
+//! ([8,8,8] -> 16 channels, kernel 3, stride 2, padding 1, BatchNorm, ReLU) -> a dense read-out
+//! (4x4x16 = 256 -> 4, a `network!` of `Flatten` and `Dense`) with soft-max cross-entropy
+//! (`loss::softmax_cross_entropy`), each stepped by its own `Adam`. Trained with minibatches of 32 on 1024 images,
 //! evaluated with `evaluate` (BatchNorm running statistics) on 512 held-out images in one batch.
 //! Once with f32 layers and once with bf16 layers (the read-out stays f32; tensors are converted
 //! at the boundary). Both must reach >= 95% test accuracy, and two runs with the same seed must
@@ -12,7 +12,8 @@
 
 use std::time::Instant;
 
-use conv_runtime::head::{argmax, Linear, LinearGrads};
+use conv_runtime::head::argmax;
+use conv_runtime::loss::softmax_cross_entropy;
 use conv_runtime::prelude::*;
 
 mod common;
@@ -22,8 +23,19 @@ use common::quadrants::{dataset, BATCH, CLASSES, EPOCHS, FEATURES, PIXELS, TEST,
 const LEARNING_RATE: f32 = 1e-2;
 const REQUIRED_ACCURACY: f64 = 0.95;
 
-/// The read-out: `conv_runtime::head::Linear`, stepped by the same `Adam`.
-type Readout = Linear<f32, FEATURES, CLASSES>;
+conv_runtime::network! {
+    /// The read-out, in f32 whatever the convolutions' type.
+    pub struct Readout {
+        input: [4, 4, 16],
+        batch: 32,
+        layers: [flat: Flatten, fc: Dense { out_features: 4 }],
+    }
+}
+
+/// The predicted class of each row of `logits`.
+fn predictions(logits: &[f32]) -> Vec<usize> {
+    logits.chunks_exact(CLASSES).map(argmax).collect()
+}
 
 /// What a training run reports.
 #[derive(Debug, PartialEq)]
@@ -85,14 +97,16 @@ macro_rules! network {
 
                 let mut grads1 = Conv1Grads::zeros();
                 let mut grads2 = Conv2Grads::zeros();
-                let mut grads_readout = LinearGrads::zeros();
+                let mut grads_readout = ReadoutGrads::zeros();
+                let mut state_readout = ReadoutState::new();
+                let mut d_logits = ReadoutOutput::<BATCH>::zeros();
                 let mut state1 = Conv1State::new();
                 let mut state2 = Conv2State::new();
                 let mut x = Tensor::<T, BATCH, 16, 16, 1>::zeros();
                 let mut d_conv2_out = Tensor::<T, BATCH, 4, 4, 16>::zeros();
                 let mut d_conv1_out = Tensor::<T, BATCH, 8, 8, 8>::zeros();
-                let mut h = vec![0.0f32; BATCH * FEATURES];
-                let mut d_h = vec![0.0f32; BATCH * FEATURES];
+                let mut h = ReadoutInput::<BATCH>::zeros();
+                let mut d_h = ReadoutInput::<BATCH>::zeros();
                 let mut labels = vec![0usize; BATCH];
 
                 let mut order: Vec<usize> = (0..TRAIN).collect();
@@ -116,15 +130,18 @@ macro_rules! network {
 
                         conv1.forward(&mut cpu, &x, &mut state1, Mode::Train).unwrap();
                         conv2.forward(&mut cpu, state1.output(), &mut state2, Mode::Train).unwrap();
-                        for (h, &v) in h.iter_mut().zip(state2.output().as_slice()) {
+                        for (h, &v) in h.as_mut_slice().iter_mut().zip(state2.output().as_slice()) {
                             *h = to_f32(v);
                         }
-                        let loss = readout
-                            .softmax_cross_entropy(&h, &labels, &mut grads_readout, &mut d_h)
+                        readout.forward(&mut cpu, &h, &mut state_readout, Mode::Train).unwrap();
+                        let loss = softmax_cross_entropy(state_readout.output(), &labels, &mut d_logits)
                             .unwrap()
-                            .mean;
+                            .mean as f32;
                         assert!(loss.is_finite(), "loss {loss}");
-                        for (d, &v) in d_conv2_out.as_mut_slice().iter_mut().zip(&d_h) {
+                        readout
+                            .backward_full(&mut cpu, &state_readout, &h, &d_logits, &mut d_h, &mut grads_readout, Mode::Train)
+                            .unwrap();
+                        for (d, &v) in d_conv2_out.as_mut_slice().iter_mut().zip(d_h.as_slice()) {
                             *d = to_t(v);
                         }
                         conv2
@@ -164,12 +181,14 @@ macro_rules! network {
                 conv1.evaluate(&mut cpu, &x_test, &mut y1).unwrap();
                 conv2.evaluate(&mut cpu, &y1, &mut y2).unwrap();
                 let features: Vec<f32> = y2.as_slice().iter().map(|&v| to_f32(v)).collect();
-                let correct = readout
-                    .logits(&features)
-                    .unwrap()
+                let mut logits = ReadoutOutput::<TEST>::zeros();
+                readout
+                    .evaluate(&mut cpu, &ReadoutInput::<TEST>::from_vec(features.clone()).unwrap(), &mut logits)
+                    .unwrap();
+                let correct = predictions(logits.as_slice())
                     .iter()
                     .zip(&test.labels)
-                    .filter(|(z, &label)| argmax(&z[..]) == label)
+                    .filter(|(p, label)| p == label)
                     .count();
                 let test_accuracy = correct as f64 / TEST as f64;
 
@@ -202,12 +221,14 @@ macro_rules! network {
                             j % FEATURES,
                         );
                     }
-                    correct_forward += readout
-                        .logits(&batch_features)
-                        .unwrap()
+                    let mut batch_logits = ReadoutOutput::<BATCH>::zeros();
+                    readout
+                        .evaluate(&mut cpu, &ReadoutInput::<BATCH>::from_vec(batch_features).unwrap(), &mut batch_logits)
+                        .unwrap();
+                    correct_forward += predictions(batch_logits.as_slice())
                         .iter()
                         .zip(&test.labels[start..start + BATCH])
-                        .filter(|(z, &label)| argmax(&z[..]) == label)
+                        .filter(|(p, label)| p == label)
                         .count();
                 }
                 assert!(running.0 == conv2.running_mean && running.1 == conv2.running_var,
@@ -256,7 +277,7 @@ fn check(name: &str, run: fn(u64, bool) -> Outcome) {
         "{name}: the loss did not fall: {losses:?}"
     );
     // The task needs the convolutions to learn: with them frozen at their initialization (only
-    // the read-out trained) the held-out accuracy stays well below the bar (58-84% for seeds 1 to 7).
+    // the read-out trained) the held-out accuracy stays well below the bar (85% for the default seed 7).
     let (trained_loss, frozen_loss) = (
         *losses.last().unwrap(),
         *frozen.epoch_losses.last().unwrap(),

@@ -235,7 +235,6 @@ fn all_finite<T: Element>(operation: &str, what: &str, values: &[T], columns: us
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::head::{Linear, LinearGrads};
     use crate::{bf16, f16, Rng};
 
     const LOGITS: [f64; 12] = [
@@ -473,22 +472,6 @@ mod tests {
         close("loss", loss.mean, 500.0, 1e-15);
         assert_eq!(d.as_slice(), [0.5, -0.5, 0.0, 0.0, 0.0, 0.0]);
         assert_eq!(loss.accuracy(), Some(0.5));
-        Ok(())
-    }
-
-    /// Same batch through `head::Linear`'s cross-entropy and through its logits here.
-    #[test]
-    fn agrees_with_the_linear_head() -> Result<()> {
-        let mut rng = Rng::seed_from_u64(3);
-        let head = Linear::<f64, 5, 3>::new(&mut rng);
-        let h: Vec<f64> = (0..20).map(|_| rng.normal()).collect();
-        let labels = [2, 0, 1, 1];
-        let expected =
-            head.softmax_cross_entropy(&h, &labels, &mut LinearGrads::zeros(), &mut [0.0; 20])?;
-        let logits = Matrix::<f64, 4, 3>::from_vec(head.logits(&h)?.concat())?;
-        let loss = softmax_cross_entropy(&logits, &labels, &mut Matrix::zeros())?;
-        close("mean", loss.mean, expected.mean, 1e-14);
-        assert_eq!(loss.correct, Some(expected.correct));
         Ok(())
     }
 
