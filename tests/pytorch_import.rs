@@ -252,52 +252,45 @@ const SEQUENTIAL_IO: &str = concat!(
     "/tests/data/pytorch/sequential_io.safetensors"
 );
 
-conv_runtime::network! {
-    /// The fixture's model: conv + BatchNorm + ReLU, max-pool, a residual block, avg-pool,
-    /// flatten of a 4x3x8 map, dense + Tanh, dense.
-    pub struct Mixed {
-        input: [9, 7, 3],
-        batch: 2,
-        layers: [
-            conv1: Conv2d {
-                out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
-                norm: BatchNorm { momentum: 0.1, eps: 1e-3 },
-            },
-            pool: MaxPool2d { kernel: 2 },
-            res: Residual { layers: [
-                act: Activation(Relu),
-                conv: Conv2d { out_channels: 8, kernel: 3, padding: 1 },
-            ] },
-            avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
-            flat: Flatten,
-            fc: Dense { out_features: 10, activation: Tanh },
-            out: Dense { out_features: 3 },
-        ],
-    }
+/// The fixture's model (`$fc` features in its first dense layer: 10 fit the file).
+macro_rules! mixed {
+    ($(#[$doc:meta])* $name:ident, $fc:literal) => {
+        conv_runtime::network! {
+            $(#[$doc])*
+            pub struct $name {
+                input: [9, 7, 3],
+                batch: 2,
+                layers: [
+                    conv1: Conv2d {
+                        out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
+                        norm: BatchNorm { momentum: 0.1, eps: 1e-3 },
+                    },
+                    pool: MaxPool2d { kernel: 2 },
+                    res: Residual { layers: [
+                        act: Activation(Relu),
+                        conv: Conv2d { out_channels: 8, kernel: 3, padding: 1 },
+                    ] },
+                    avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
+                    flat: Flatten,
+                    fc: Dense { out_features: $fc, activation: Tanh },
+                    out: Dense { out_features: 3 },
+                ],
+            }
+        }
+    };
 }
 
-conv_runtime::network! {
+mixed!(
+    /// Conv + BatchNorm + ReLU, max-pool, a residual block, avg-pool, flatten of a 4x3x8 map,
+    /// dense + Tanh, dense: the fixture's model.
+    Mixed,
+    10
+);
+mixed!(
     /// `Mixed` with a wider first dense layer: does not fit the file.
-    pub struct MixedWide {
-        input: [9, 7, 3],
-        batch: 2,
-        layers: [
-            conv1: Conv2d {
-                out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
-                norm: BatchNorm { momentum: 0.1, eps: 1e-3 },
-            },
-            pool: MaxPool2d { kernel: 2 },
-            res: Residual { layers: [
-                act: Activation(Relu),
-                conv: Conv2d { out_channels: 8, kernel: 3, padding: 1 },
-            ] },
-            avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
-            flat: Flatten,
-            fc: Dense { out_features: 12, activation: Tanh },
-            out: Dense { out_features: 3 },
-        ],
-    }
-}
+    MixedWide,
+    12
+);
 
 fn all_values<P: Parameters<Elem = f32>>(net: &mut P) -> Vec<f32> {
     let mut values = Vec::new();

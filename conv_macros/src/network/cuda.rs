@@ -117,13 +117,21 @@ fn reshaped(net: &Network, b: &TokenStream, x: TokenStream, from: Shape, to: Sha
     quote!(#rt::cuda::reshape::<#t, #b, #h, #w, #c, #h2, #w2, #c2>(#x))
 }
 
-/// One kernel launch over `count` items in the entry's session.
-fn launch(e: &Entry, kernel: &str, count: TokenStream, bufs: &[TokenStream]) -> TokenStream {
+/// One kernel launch over `count` items in the entry's session, reading the buffers of
+/// `inputs` (tensor expressions) and writing the tensor `output` (a `&mut` expression).
+fn launch(
+    e: &Entry,
+    kernel: &str,
+    count: TokenStream,
+    inputs: &[TokenStream],
+    output: TokenStream,
+) -> TokenStream {
     let setup = setup_static(e);
     quote! {{
+        let __out: &Buf = (#output).__buf_mut();
         let __s = &mut dev.__session(&#setup)?;
         let __n: usize = #count;
-        __s.launch(#kernel, blocks_for(__n), &[Arg::Long(__n), #(Arg::Buf(#bufs)),*])?;
+        __s.launch(#kernel, blocks_for(__n), &[Arg::Long(__n), #(Arg::Buf(#inputs.__buf()),)* Arg::Buf(__out)])?;
     }}
 }
 
@@ -176,19 +184,8 @@ fn evaluate_chain(
                 } else {
                     "entry_activation_forward"
                 };
-                let run = launch(
-                    e,
-                    kernel,
-                    quote!(__B * #len),
-                    &[quote!(#input.__buf()), quote!(__y)],
-                );
-                code.extend(quote! {
-                    #declare
-                    {
-                        let __y: &Buf = (#out_mut).__buf_mut();
-                        #run
-                    }
-                });
+                let run = launch(e, kernel, quote!(__B * #len), &[input.clone()], out_mut);
+                code.extend(quote!(#declare #run));
             }
             Kind::Flatten => {
                 let view = reshaped(net, &b, input.clone(), e.input, e.output);
@@ -206,17 +203,13 @@ fn evaluate_chain(
                     e,
                     "residual_add",
                     quote!(__B * #len),
-                    &[
-                        quote!(#input.__buf()),
-                        quote!(#inner_out.__buf()),
-                        quote!(__y),
-                    ],
+                    &[input.clone(), inner_out],
+                    out_mut,
                 );
                 code.extend(quote! {
                     #declare
                     {
                         #inner_code
-                        let __y: &Buf = (#out_mut).__buf_mut();
                         #run
                     }
                 });
@@ -265,16 +258,13 @@ fn forward_chain(
                 } else {
                     "entry_activation_forward"
                 };
-                let run = launch(
+                code.extend(launch(
                     e,
                     kernel,
                     quote!(#batch * #len),
-                    &[quote!(#input.__buf()), quote!(__y)],
-                );
-                code.extend(quote! {{
-                    let __y: &Buf = state.#field.__buf_mut();
-                    #run
-                }});
+                    &[input.clone()],
+                    quote!(state.#field),
+                ));
             }
             Kind::Flatten => {}
             Kind::Residual(inner) => {
@@ -283,19 +273,10 @@ fn forward_chain(
                     e,
                     "residual_add",
                     quote!(#batch * #len),
-                    &[
-                        quote!(#input.__buf()),
-                        quote!(#inner_out.__buf()),
-                        quote!(__y),
-                    ],
+                    &[input.clone(), inner_out],
+                    quote!(state.#field),
                 );
-                code.extend(quote! {
-                    #inner_code
-                    {
-                        let __y: &Buf = state.#field.__buf_mut();
-                        #run
-                    }
-                });
+                code.extend(quote!(#inner_code #run));
             }
         }
         input = state_output(net, e, &input);
@@ -370,33 +351,14 @@ fn backward_chain(
             }
             Kind::Pool(..) | Kind::Activation(_) => {
                 if wanted {
-                    let run = if matches!(e.kind, Kind::Pool(..)) {
-                        launch(
-                            e,
-                            "pool_backward",
-                            quote!(#batch * #in_len),
-                            &[quote!(#x.__buf()), quote!(#d.__buf()), quote!(__dx)],
-                        )
+                    let (kernel, inputs) = if matches!(e.kind, Kind::Pool(..)) {
+                        ("pool_backward", vec![x.clone(), d.clone()])
                     } else {
-                        launch(
-                            e,
-                            "entry_activation_backward",
-                            quote!(#batch * #in_len),
-                            &[
-                                quote!(#x.__buf()),
-                                quote!(state.#field.__buf()),
-                                quote!(#d.__buf()),
-                                quote!(__dx),
-                            ],
-                        )
+                        let y = quote!((&state.#field));
+                        ("entry_activation_backward", vec![x.clone(), y, d.clone()])
                     };
-                    code.extend(quote! {
-                        #declare
-                        {
-                            let __dx: &Buf = (#dx_mut).__buf_mut();
-                            #run
-                        }
-                    });
+                    let run = launch(e, kernel, quote!(#batch * #in_len), &inputs, dx_mut);
+                    code.extend(quote!(#declare #run));
                 }
             }
             Kind::Flatten => {
@@ -429,13 +391,10 @@ fn backward_chain(
                             e,
                             "residual_add",
                             quote!(#batch * #in_len),
-                            &[quote!(#d.__buf()), quote!(#inner_dx.__buf()), quote!(__dx)],
+                            &[d.clone(), inner_dx],
+                            dx_mut,
                         );
-                        code.extend(quote! {{
-                            #inner_code
-                            let __dx: &Buf = (#dx_mut).__buf_mut();
-                            #run
-                        }});
+                        code.extend(quote!({ #inner_code #run }));
                     }
                     None => code.extend(quote!({ #inner_code })),
                 }

@@ -88,7 +88,8 @@ fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ident) 
 #[cfg(test)]
 pub fn public_names(net: &spec::Network) -> Vec<String> {
     let name = &net.ident;
-    let mut names: Vec<String> = [
+    // What `network!` defines per network, and per entry inside the hidden module.
+    const SUFFIXES: [&str; 9] = [
         "",
         "Grads",
         "State",
@@ -98,29 +99,12 @@ pub fn public_names(net: &spec::Network) -> Vec<String> {
         "Cuda",
         "CudaGrads",
         "CudaState",
-    ]
-    .iter()
-    .map(|suffix| format!("{name}{suffix}"))
-    .collect();
+    ];
+    let mut names: Vec<String> = SUFFIXES.iter().map(|s| format!("{name}{s}")).collect();
     names.push(format!("__{name}"));
-    // The layers' and residual blocks' items inside the hidden module.
     for e in net.all_entries() {
         let path = &e.path;
-        names.extend(
-            [
-                "",
-                "Grads",
-                "State",
-                "Device",
-                "Input",
-                "Output",
-                "Cuda",
-                "CudaGrads",
-                "CudaState",
-            ]
-            .iter()
-            .map(|suffix| format!("{path}{suffix}")),
-        );
+        names.extend(SUFFIXES.iter().map(|s| format!("{path}{s}")));
     }
     names
 }
