@@ -542,13 +542,13 @@ mod training {
     }
 }
 
-/// `network!` on the GPU, device-resident (`NetCuda`): a network with every kind (conv with
-/// BatchNorm, max and average pooling with padding, a residual block, standalone activations,
-/// flatten, dense layers) against the CPU's generated code, in f32 and f64: evaluate at three
-/// batches, forward in both modes (BatchNorm's running statistics), both backward passes, and
-/// optimizer steps on the GPU that equal the CPU's bit for bit from the same gradients.
+/// `network!` on the GPU, device-resident (`NetCuda`), against the CPU's generated code:
+/// evaluate at three batches, forward in both modes (BatchNorm's running statistics), both
+/// backward passes, and optimizer steps on the GPU that equal the CPU's bit for bit from the
+/// same gradients. `network_equivalence!(module, dtype, input [h, w, c], output [h, w, c],
+/// [entries])`, at batch 4.
 macro_rules! network_equivalence {
-    ($module:ident, $dtype:ident) => {
+    ($module:ident, $dtype:ident, [$ih:literal, $iw:literal, $ic:literal], [$oh:literal, $ow:literal, $oc:literal], [$($layers:tt)*]) => {
         mod $module {
             use crate::common::{convert, SplitMix64};
             use crate::{gpu, gradient_tolerance, same, tolerance};
@@ -557,25 +557,10 @@ macro_rules! network_equivalence {
 
             conv_runtime::network! {
                 pub struct Net {
-                    input: [9, 7, 3],
+                    input: [$ih, $iw, $ic],
                     batch: 4,
                     dtype: $dtype,
-                    layers: [
-                        conv1: Conv2d {
-                            out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
-                            norm: BatchNorm { momentum: 0.3, eps: 1e-3 },
-                        },
-                        pool: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
-                        res: Residual { layers: [
-                            act: Activation(Relu),
-                            conv: Conv2d { out_channels: 8, kernel: 3, padding: 1, activation: Tanh },
-                        ] },
-                        avg: AvgPool2d { kernel: 2, stride: 1, padding: 1 },
-                        squash: Activation(Sigmoid),
-                        flat: Flatten,
-                        fc: Dense { out_features: 10, activation: Relu },
-                        out: Dense { out_features: 4 },
-                    ],
+                    layers: [$($layers)*],
                 }
             }
 
@@ -619,7 +604,7 @@ macro_rules! network_equivalence {
                         let mut y_cpu = NetOutput::<$b>::zeros();
                         net.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
                         let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
-                        let mut y_gpu = CudaTensor::<T, $b, 1, 1, 4>::zeros(&cuda).unwrap();
+                        let mut y_gpu = CudaTensor::<T, $b, $oh, $ow, $oc>::zeros(&cuda).unwrap();
                         on_gpu.evaluate(&mut cuda, &x_gpu, &mut y_gpu).unwrap();
                         let y_gpu = y_gpu.download(&cuda).unwrap();
                         same(concat!("evaluate at batch ", $b), y_cpu.as_slice(), y_gpu.as_slice(), tol);
@@ -632,8 +617,8 @@ macro_rules! network_equivalence {
                 let x = NetInput::<B>::from_vec(convert(&data.values(NetInput::<B>::LEN))).unwrap();
                 let d_output = NetOutput::<B>::from_vec(convert(&data.values(NetOutput::<B>::LEN))).unwrap();
                 let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
-                let dy_gpu = CudaTensor::upload(&cuda, &Tensor::<T, B, 1, 1, 4>::from_vec(d_output.as_slice().to_vec()).unwrap()).unwrap();
-                let rows = B * 9 * 7;
+                let dy_gpu = CudaTensor::upload(&cuda, &Tensor::<T, B, $oh, $ow, $oc>::from_vec(d_output.as_slice().to_vec()).unwrap()).unwrap();
+                let rows = B * $ih * $iw;
                 for mode in [Mode::Train, Mode::Eval] {
                     let bn_train = matches!(mode, Mode::Train);
                     let (mut n_cpu, mut n_gpu) = (net.clone(), NetCuda::upload(&cuda, &net).unwrap());
@@ -710,5 +695,49 @@ macro_rules! network_equivalence {
     };
 }
 
-network_equivalence!(network_f32, f32);
-network_equivalence!(network_f64, f64);
+/// Every kind: conv with BatchNorm, max and average pooling with padding, a residual block,
+/// standalone activations, flatten, dense layers.
+macro_rules! every_kind {
+    ($module:ident, $dtype:ident) => {
+        network_equivalence!($module, $dtype, [9, 7, 3], [1, 1, 4], [
+            conv1: Conv2d {
+                out_channels: 8, kernel: [3, 5], padding: [1, 2], activation: Relu,
+                norm: BatchNorm { momentum: 0.3, eps: 1e-3 },
+            },
+            pool: MaxPool2d { kernel: 3, stride: 2, padding: 1 },
+            res: Residual { layers: [
+                act: Activation(Relu),
+                conv: Conv2d { out_channels: 8, kernel: 3, padding: 1, activation: Tanh },
+            ] },
+            avg: AvgPool2d { kernel: 2, stride: 1, padding: 1 },
+            squash: Activation(Sigmoid),
+            flat: Flatten,
+            fc: Dense { out_features: 10, activation: Relu },
+            out: Dense { out_features: 4 },
+        ]);
+    };
+}
+every_kind!(network_f32, f32);
+every_kind!(network_f64, f64);
+
+// The ends of a chain: a residual block first (the input gradient through it, its inner chain
+// starting with pooling) and a `Flatten` last (the output a view of the last map).
+network_equivalence!(network_residual_first, f64, [9, 7, 3], [1, 1, 60], [
+    res: Residual { layers: [
+        avg: AvgPool2d { kernel: 3, stride: 1, padding: 1 },
+        conv: Conv2d { out_channels: 3, kernel: 1, activation: Gelu },
+    ] },
+    act: Activation(Tanh),
+    pool: MaxPool2d { kernel: 2, padding: 1 },
+    flat: Flatten,
+]);
+
+// A `Flatten` first (the input gradient a copy) and a residual block last (writing the output).
+network_equivalence!(network_flatten_first, f64, [3, 2, 5], [1, 1, 6], [
+    flat: Flatten,
+    fc: Dense { out_features: 6, activation: Sigmoid },
+    res: Residual { layers: [
+        act: Activation(Relu),
+        fc2: Dense { out_features: 6 },
+    ] },
+]);
