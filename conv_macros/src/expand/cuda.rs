@@ -177,6 +177,16 @@ const NETWORK: File = File {
     kernels: &[],
 };
 
+/// The element type as the kernels' `CONV_ELEMENT_*` macro names it.
+pub(crate) fn element_name(dtype: Dtype) -> &'static str {
+    match dtype {
+        Dtype::F64 => "F64",
+        Dtype::F32 => "F32",
+        Dtype::F16 => "F16",
+        Dtype::Bf16 => "BF16",
+    }
+}
+
 /// The source of a `network!` entry's kernels (pooling, activation, residual sum): its
 /// generated `header` (constants as a layer's, and the `NETWORK_*` kind), then the shared
 /// definitions and `kernels/network.cu`.
@@ -343,12 +353,7 @@ impl Plan {
     }
 
     fn header(&self, spec: &Spec) -> String {
-        let element = match spec.dtype {
-            Dtype::F64 => "F64",
-            Dtype::F32 => "F32",
-            Dtype::F16 => "F16",
-            Dtype::Bf16 => "BF16",
-        };
+        let element = element_name(spec.dtype);
         let (norm, eps, momentum) = match spec.norm {
             Norm::None => ("None", None, None),
             Norm::BatchNorm { momentum, eps } => ("BatchNorm", Some(eps), Some(momentum)),

@@ -15,8 +15,9 @@ use quote::{format_ident, quote};
 
 use super::expand::{access, dotted};
 use super::spec::{Entry, Kind, Network, PoolKind, Shape};
-use crate::expand::{cuda::entry_source, elem, lit, rt};
-use crate::spec::{Activation, Dtype};
+use crate::expand::cuda::{element_name, entry_source};
+use crate::expand::{elem, lit, rt, types::params};
+use crate::spec::Activation;
 
 /// The name of an entry's CUDA source constant.
 fn source_const(e: &Entry) -> syn::Ident {
@@ -54,12 +55,7 @@ fn source(net: &Network, e: &Entry) -> Option<(String, &'static [&'static str])>
         ),
         _ => return None,
     };
-    let element = match net.dtype {
-        Dtype::F64 => "F64",
-        Dtype::F32 => "F32",
-        Dtype::F16 => "F16",
-        Dtype::Bf16 => "BF16",
-    };
+    let element = element_name(net.dtype);
     let [ih, iw, ic] = e.input.dims();
     let [oh, ow, oc] = e.output.dims();
     let (k, s, p) = window.map_or(([1, 1], [1, 1], [0, 0]), |w| {
@@ -135,6 +131,15 @@ fn launch(
     }}
 }
 
+/// The forward kernel of a pooling or activation entry.
+fn forward_kernel(e: &Entry) -> &'static str {
+    if matches!(e.kind, Kind::Pool(..)) {
+        "pool_forward"
+    } else {
+        "entry_activation_forward"
+    }
+}
+
 /// Where an entry's output goes in `evaluate`.
 enum Dest {
     /// A buffer of its own, named.
@@ -143,9 +148,9 @@ enum Dest {
     Output,
 }
 
-/// `evaluate`'s chain over `entries` from `input` (a `&CudaTensor` expression of shape
-/// `in_shape`); the last entry writes into `output` when `last_to_output`. Returns the code and
-/// the expression of the chain's output.
+/// `evaluate`'s chain over `entries` from `input` (a `&CudaTensor` expression); the last entry
+/// writes into `output` when `last_to_output`. Returns the code and the expression of the
+/// chain's output.
 fn evaluate_chain(
     net: &Network,
     entries: &[Entry],
@@ -179,11 +184,7 @@ fn evaluate_chain(
                 });
             }
             Kind::Pool(..) | Kind::Activation(_) => {
-                let kernel = if matches!(e.kind, Kind::Pool(..)) {
-                    "pool_forward"
-                } else {
-                    "entry_activation_forward"
-                };
+                let kernel = forward_kernel(e);
                 let run = launch(e, kernel, quote!(__B * #len), &[input.clone()], out_mut);
                 code.extend(quote!(#declare #run));
             }
@@ -206,6 +207,7 @@ fn evaluate_chain(
                     &[input.clone(), inner_out],
                     out_mut,
                 );
+                // The inner chain's buffers live in the block that sums into the entry's own.
                 code.extend(quote! {
                     #declare
                     {
@@ -213,7 +215,6 @@ fn evaluate_chain(
                         #run
                     }
                 });
-                // The inner buffers are dropped with the block; the sum is outside it.
             }
         }
         input = out_ref;
@@ -253,14 +254,9 @@ fn forward_chain(
                 self.#field.forward(dev, #input, &mut state.#field, mode)?;
             }),
             Kind::Pool(..) | Kind::Activation(_) => {
-                let kernel = if matches!(e.kind, Kind::Pool(..)) {
-                    "pool_forward"
-                } else {
-                    "entry_activation_forward"
-                };
                 code.extend(launch(
                     e,
-                    kernel,
+                    forward_kernel(e),
                     quote!(#batch * #len),
                     &[input.clone()],
                     quote!(state.#field),
@@ -466,7 +462,18 @@ pub fn expand(net: &Network) -> TokenStream {
         .iter()
         .map(|e| access(quote!(grads), &e.path))
         .collect();
-    let labels: Vec<String> = layers.iter().map(|e| dotted(&e.path)).collect();
+    // Every parameter tensor as `(label, layer field, parameter field)`, named as the host's
+    // `Parameters` names them, so that no name is built per optimizer step.
+    let mut visits = TokenStream::new();
+    for e in &layers {
+        let Some(spec) = e.layer() else { continue };
+        let layer = format_ident!("{}", e.path);
+        for p in params(spec) {
+            let field = &p.name;
+            let label = format!("{}.{}", dotted(&e.path), field);
+            visits.extend(quote!(f(#label, &mut self.#layer.#field, grads.#layer.#field.__buf());));
+        }
+    }
     let mut state_fields = Vec::new();
     let mut state_inits = Vec::new();
     for e in &all {
@@ -569,7 +576,7 @@ pub fn expand(net: &Network) -> TokenStream {
 
             #[allow(clippy::all, unused_braces, unused_mut, unused_variables, non_upper_case_globals)]
             const _: () = {
-                use #rt::cuda::{blocks_for, Arg, Buf, CudaParameters as _};
+                use #rt::cuda::{blocks_for, Arg, Buf};
                 #setups
 
                 impl #cuda_net {
@@ -659,11 +666,7 @@ pub fn expand(net: &Network) -> TokenStream {
                         grads: &#cuda_grads,
                         f: &mut dyn ::core::ops::FnMut(&str, &mut dyn #rt::cuda::CudaParamTensor, &Buf),
                     ) {
-                        #(
-                            self.#layer_fields.visit_cuda_mut(&grads.#layer_fields, &mut |__name, __t, __g| {
-                                f(&::std::format!("{}.{}", #labels, __name), __t, __g)
-                            });
-                        )*
+                        #visits
                     }
                 }
 
