@@ -1,6 +1,8 @@
 //! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action
 //! (`evaluate` at batch 1) and the training step at batch 32 (`forward` + `backward` + one Adam
-//! step over the whole network), at each thread count.
+//! step over the whole network), at each thread count. Also MinAtar's dense layer alone at
+//! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
+//! by skipping zero terms.
 //!
 //! ```sh
 //! cargo run --release --example bench_networks -- --threads 1,2
@@ -95,6 +97,63 @@ conv_runtime::network! {
             q: Dense { out_features: 3 },
         ],
     }
+}
+
+conv_runtime::network! {
+    /// A dense layer the size of MinAtar's (1024 -> 128, ReLU), for the gradients' skipped
+    /// zero terms.
+    pub struct Fc1024 {
+        input: [1, 1, 1024],
+        batch: 32,
+        layers: [flat: Flatten, fc: Dense { out_features: 128, activation: Relu }],
+    }
+}
+
+/// Of every 100 values, `percent` nonzero (spread by a multiplicative hash).
+fn with_density(len: usize, percent: usize) -> Vec<f32> {
+    (0..len)
+        .map(|i| {
+            let h = (i as u64).wrapping_mul(0x9e37_79b9_7f4a_7c15) >> 32;
+            if (h % 100) < percent as u64 {
+                ((i % 13) as f32 - 6.0) * 0.1
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// The dense layer's `backward_full` at batch 32 at each density of nonzero values of the
+/// output gradient (and of the input, as after a ReLU).
+fn bench_sparse(threads: usize) -> conv_runtime::Result<Vec<Row>> {
+    const OPS: [&str; 4] = [
+        "backward_nz100",
+        "backward_nz30",
+        "backward_nz20",
+        "backward_nz10",
+    ];
+    let mut cpu = Cpu::with_threads(threads)?;
+    let net = Fc1024::new(&mut Rng::seed_from_u64(1));
+    let mut rows = Vec::new();
+    for (percent, op) in [100, 30, 20, 10].into_iter().zip(OPS) {
+        let x = Fc1024Input::<32>::from_vec(with_density(Fc1024Input::<32>::LEN, percent))?;
+        let dy = Fc1024Output::<32>::from_vec(with_density(Fc1024Output::<32>::LEN, percent))?;
+        let mut state = Fc1024State::new();
+        net.clone().forward(&mut cpu, &x, &mut state, Mode::Train)?;
+        let (mut grads, mut dx) = (Fc1024Grads::zeros(), Fc1024Input::<32>::zeros());
+        let (us, spread) = time(|| {
+            net.backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train)
+        })?;
+        rows.push(Row {
+            network: "fc1024",
+            op,
+            batch: 32,
+            threads,
+            us,
+            spread,
+        });
+    }
+    Ok(rows)
 }
 
 /// Median and spread ((max - min) / median) of 5 repetitions of about 0.3 s each, in
@@ -202,6 +261,9 @@ fn run(threads: &[usize], filter: Option<&str>) -> conv_runtime::Result<Vec<Row>
                 t
             ));
         }
+        if wanted("fc1024") {
+            rows.extend(bench_sparse(t)?);
+        }
         if wanted("minatar_dqn") {
             rows.extend(bench_network!(
                 MinAtarDqn,
@@ -259,10 +321,10 @@ fn main() -> ExitCode {
             return ExitCode::FAILURE;
         }
     };
-    println!("network       op          batch threads      us/call  spread");
+    println!("network       op             batch threads      us/call  spread");
     for r in &rows {
         println!(
-            "{:<13} {:<11} {:>5} {:>7} {:>12.1} {:>6.1}%",
+            "{:<13} {:<14} {:>5} {:>7} {:>12.1} {:>6.1}%",
             r.network,
             r.op,
             r.batch,

@@ -5,7 +5,9 @@
 //! the reference is this file's own loops plus the layer reference of tests/common. Also: the
 //! contract of API.md (names, shapes, constants, accumulation, `backward` == `backward_full`'s
 //! parameter part), the same bits on any number of threads, and one Adam step on the whole
-//! network.
+//! network. Last, a dense layer wider and taller than the gradient kernels' 64-term masks, with
+//! inputs and output gradients mostly zero in some rows and channels (the terms the gradient
+//! kernels skip) and dense in others.
 
 #[macro_use]
 mod common;
@@ -451,3 +453,203 @@ fn adam_steps_the_whole_network() {
         .visit_mut(&grads, &mut |_, _, g| zero &= g.iter().all(|&v| v == 0.0));
     assert!(zero);
 }
+
+conv_runtime::network! {
+    /// One dense layer: 130 channels and 70 rows (more than one 64-term mask of each), 100
+    /// inputs (two mask words, a partial vector).
+    pub struct WideF64 {
+        input: [1, 1, 100],
+        batch: 70,
+        dtype: f64,
+        layers: [flat: Flatten, fc: Dense { out_features: 130 }],
+    }
+}
+
+conv_runtime::network! {
+    /// [`WideF64`] in f32 (8 lanes, so other tile edges).
+    pub struct WideF32 {
+        input: [1, 1, 100],
+        batch: 70,
+        layers: [flat: Flatten, fc: Dense { out_features: 130 }],
+    }
+}
+
+const WIDE_IN: usize = 100;
+const WIDE_OUT: usize = 130;
+const WIDE_BATCH: usize = 70;
+
+/// Densities of nonzero values, each for three rows in turn.
+const DENSITY: [f64; 6] = [0.0, 0.05, 0.2, 0.45, 0.7, 1.0];
+
+/// Whether to keep a value, with probability `density`.
+fn keep(rng: &mut SplitMix64, density: f64) -> bool {
+    // `next_f64` is uniform in [-1, 1).
+    (rng.next_f64() + 1.0) / 2.0 < density
+}
+
+/// An input whose rows come in threes of the same density, beginning at 5% (a ReLU's output
+/// is mostly zeros).
+fn sparse_input(rng: &mut SplitMix64) -> Vec<f64> {
+    (0..WIDE_BATCH * WIDE_IN)
+        .map(|i| {
+            let value = rng.next_f64();
+            if keep(rng, DENSITY[(i / WIDE_IN / 3 + 1) % DENSITY.len()]) {
+                value
+            } else {
+                0.0
+            }
+        })
+        .collect()
+}
+
+/// An output gradient whose rows come in threes of the same density (none, 5%, 20%, 45%, 70%,
+/// all), with channel 2 of every 5 zero in every row and channel 0 of every 5 in none: tiles of
+/// either kind in both gradient kernels.
+fn sparse_output_gradient(rng: &mut SplitMix64) -> Vec<f64> {
+    let density = DENSITY;
+    let mut dy = vec![0.0; WIDE_BATCH * WIDE_OUT];
+    for (i, v) in dy.iter_mut().enumerate() {
+        let (r, o) = (i / WIDE_OUT, i % WIDE_OUT);
+        let value = rng.next_f64();
+        let kept = keep(rng, density[(r / 3) % density.len()]);
+        *v = match o % 5 {
+            2 => 0.0,
+            0 => value,
+            _ if kept => value,
+            _ => 0.0,
+        };
+    }
+    dy
+}
+
+/// `(output, d_input, weight gradient, bias gradient)` of `y = W x + b`, in f64.
+fn wide_reference(w: &[f64], b: &[f64], x: &[f64], dy: &[f64]) -> [Vec<f64>; 4] {
+    let (n, oc, ic) = (WIDE_BATCH, WIDE_OUT, WIDE_IN);
+    let mut y = vec![0.0; n * oc];
+    let mut dx = vec![0.0; n * ic];
+    let mut dw = vec![0.0; oc * ic];
+    let mut db = vec![0.0; oc];
+    for r in 0..n {
+        for o in 0..oc {
+            let g = dy[r * oc + o];
+            y[r * oc + o] = b[o];
+            db[o] += g;
+            for k in 0..ic {
+                y[r * oc + o] += w[o * ic + k] * x[r * ic + k];
+                dx[r * ic + k] += g * w[o * ic + k];
+                dw[o * ic + k] += g * x[r * ic + k];
+            }
+        }
+    }
+    [y, dx, dw, db]
+}
+
+macro_rules! wide_case {
+    ($name:ident, $net:ident, $input:ident, $output:ident, $grads:ident, $state:ident, $elem:ty, $tol:expr) => {
+        #[test]
+        fn $name() {
+            let mut rng = SplitMix64::new(29);
+            let net = $net::new(&mut Rng::seed_from_u64(8));
+            let x = sparse_input(&mut rng);
+            let dy = sparse_output_gradient(&mut rng);
+            let to = |v: &[f64]| v.iter().map(|&a| a as $elem).collect::<Vec<$elem>>();
+            let back = |v: &[$elem]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+            let xs = $input::<WIDE_BATCH>::from_vec(to(&x)).unwrap();
+            let dys = $output::<WIDE_BATCH>::from_vec(to(&dy)).unwrap();
+            // The reference on the values the layer holds (rounded to its type).
+            let (x, dy) = (back(xs.as_slice()), back(dys.as_slice()));
+            let (w, b) = (
+                back(net.fc.weights.as_slice()),
+                back(net.fc.biases.as_slice()),
+            );
+            let [y, dx, dw, db] = wide_reference(&w, &b, &x, &dy);
+            let run = |cpu: &mut Cpu| {
+                let mut state = $state::new();
+                net.clone()
+                    .forward(cpu, &xs, &mut state, Mode::Train)
+                    .unwrap();
+                let (mut grads, mut d_input) = ($grads::zeros(), $input::<WIDE_BATCH>::zeros());
+                net.backward_full(
+                    cpu,
+                    &state,
+                    &xs,
+                    &dys,
+                    &mut d_input,
+                    &mut grads,
+                    Mode::Train,
+                )
+                .unwrap();
+                let mut all = vec![back(state.output().as_slice()), back(d_input.as_slice())];
+                net.clone()
+                    .visit_mut(&grads, &mut |_, _, g| all.push(back(g)));
+                all
+            };
+            let mut cpu = common::cpu();
+            let got = run(&mut cpu);
+            // `evaluate`, whole (repeatedly, unchanged weights) and a row at a time, has the same
+            // bits.
+            let mut whole = $output::<WIDE_BATCH>::zeros();
+            for call in 0..3 {
+                net.evaluate(&mut cpu, &xs, &mut whole).unwrap();
+                assert!(
+                    whole
+                        .as_slice()
+                        .iter()
+                        .zip(&got[0])
+                        .all(|(p, q)| (*p as f64).to_bits() == q.to_bits()),
+                    "evaluate, call {call}"
+                );
+            }
+            for r in [0, 4, 10, 17, 69] {
+                let row =
+                    $input::<1>::from_vec(xs.as_slice()[r * WIDE_IN..(r + 1) * WIDE_IN].to_vec())
+                        .unwrap();
+                let mut y1 = $output::<1>::zeros();
+                net.evaluate(&mut cpu, &row, &mut y1).unwrap();
+                assert_eq!(
+                    y1.as_slice(),
+                    &whole.as_slice()[r * WIDE_OUT..(r + 1) * WIDE_OUT],
+                    "row {r} alone"
+                );
+            }
+            for ((what, g), e) in ["output", "d_input", "fc.weights", "fc.biases"]
+                .iter()
+                .zip(&got)
+                .zip([&y, &dx, &dw, &db])
+            {
+                assert_close(what, g, e, $tol);
+            }
+            let split = run(&mut Cpu::with_threads(3).unwrap().__split_everything());
+            for (what, (a, b)) in ["output", "d_input", "fc.weights", "fc.biases"]
+                .iter()
+                .zip(got.iter().zip(&split))
+            {
+                assert!(
+                    a.iter().zip(b).all(|(p, q)| p.to_bits() == q.to_bits()),
+                    "{what}: other bits on 3 threads"
+                );
+            }
+        }
+    };
+}
+
+wide_case!(
+    dense_gradients_with_zero_terms_f64,
+    WideF64,
+    WideF64Input,
+    WideF64Output,
+    WideF64Grads,
+    WideF64State,
+    f64,
+    1e-12
+);
+wide_case!(
+    dense_gradients_with_zero_terms_f32,
+    WideF32,
+    WideF32Input,
+    WideF32Output,
+    WideF32Grads,
+    WideF32State,
+    f32,
+    1e-5
+);

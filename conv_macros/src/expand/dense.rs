@@ -7,6 +7,10 @@
 //! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
 //! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient.
 //!
+//! The gradients skip the terms whose output gradient is zero, where they are most of a register
+//! tile's: after a ReLU (or a loss on one action per row) most are, and each adds an exact zero.
+//! The skipped sums are the same sums in the same order.
+//!
 //! No repack per parameter change and no transposed copy of the weight gradient: a dense
 //! layer's weights are most of a small network's, and each step changes them. Every sum runs
 //! in a fixed order (inputs, output channels or batch rows ascending), whatever the partition:
@@ -39,12 +43,15 @@ const COLS: usize = 4;
 /// the rows' broadcasts and one vector of the other operand, 16 registers.
 const TILE_ROWS: usize = 3;
 const VECS: usize = 4;
+/// The most masks of nonzero gradient terms a kernel keeps (on its stack: 32 KiB).
+const MASK_CAP: usize = 4096;
 
 /// `__conv` (the direct and Winograd kernels' signature) and `__backward_pass`.
 pub fn expand(spec: &Spec) -> TokenStream {
     let rt = rt();
     let layer = &spec.ident;
     let (rows, cols, vecs, tile_rows) = (lit(ROWS), lit(COLS), lit(VECS), lit(TILE_ROWS));
+    let mask_cap = lit(MASK_CAP);
     // The register tiles, generic over their size so that edges take smaller ones; every loop
     // bound is a constant, so each instantiation is straight-line code around the `k` loop.
     let tiles = quote! {
@@ -112,10 +119,6 @@ pub fn expand(spec: &Spec) -> TokenStream {
         unsafe fn __dense_axpys<__S: #rt::Simd<Elem = __A>, const __R: usize, const __V: usize, const __FULL: bool, const __ADD: bool>(
             g: *const __A, gs: usize, gj: usize, terms: usize, v: *const __A, k0: usize, out: *mut __A,
         ) {
-            let lanes = |i: usize| {
-                let k = k0 + i * __L;
-                if k + __L <= __IC { __L } else if k < __IC { __IC - k } else { 0 }
-            };
             let mut acc = [[__S::zero(); __V]; __R];
             for j in 0..terms {
                 let gv: [__S; __R] = ::core::array::from_fn(|r| __S::splat(*g.add(r * gs + j * gj)));
@@ -128,18 +131,57 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 }
             }
             for r in 0..__R {
-                for i in 0..__V {
-                    let dst = out.add(r * __IC + k0 + i * __L);
-                    if __FULL {
-                        let value = if __ADD { __S::load(dst).add(acc[r][i]) } else { acc[r][i] };
-                        value.store(dst);
-                    } else if lanes(i) > 0 {
-                        let n = lanes(i);
-                        let value = if __ADD { __S::load_partial(dst, n).add(acc[r][i]) } else { acc[r][i] };
-                        value.store_partial(dst, n);
-                    }
+                __dense_put::<__S, { __V }, { __FULL }, { __ADD }>(&acc[r], k0, out.add(r * __IC));
+            }
+        }
+
+        /// `out[k0..] (+)= acc`, `V` vectors (whole when `FULL`, else up to `IC`).
+        #[inline(always)]
+        unsafe fn __dense_put<__S: #rt::Simd<Elem = __A>, const __V: usize, const __FULL: bool, const __ADD: bool>(
+            acc: &[__S; __V], k0: usize, out: *mut __A,
+        ) {
+            for i in 0..__V {
+                let k = k0 + i * __L;
+                let dst = out.add(k);
+                if __FULL {
+                    let value = if __ADD { __S::load(dst).add(acc[i]) } else { acc[i] };
+                    value.store(dst);
+                } else if k < __IC {
+                    let n = if k + __L <= __IC { __L } else { __IC - k };
+                    let value = if __ADD { __S::load_partial(dst, n).add(acc[i]) } else { acc[i] };
+                    value.store_partial(dst, n);
                 }
             }
+        }
+
+        /// [`__dense_axpys`] for one row over only the terms set in `mask`: the same sums in
+        /// the same order where the other terms' `g` are zero.
+        #[inline(always)]
+        unsafe fn __dense_axpys_listed<__S: #rt::Simd<Elem = __A>, const __V: usize, const __FULL: bool, const __ADD: bool>(
+            g: *const __A, gj: usize, mut mask: u64, v: *const __A, k0: usize, out: *mut __A,
+        ) {
+            let mut acc = [__S::zero(); __V];
+            while mask != 0 {
+                let j = mask.trailing_zeros() as usize;
+                mask &= mask - 1;
+                let gv = __S::splat(*g.add(j * gj));
+                for i in 0..__V {
+                    acc[i] = __S::fma(gv, __S::load(v.add(j * __V * __L + i * __L)), acc[i]);
+                }
+            }
+            __dense_put::<__S, { __V }, { __FULL }, { __ADD }>(&acc, k0, out);
+        }
+
+        /// Whether a tile of `rows` rows (masks `stride` apart) over `terms` terms has few
+        /// enough nonzero terms that skipping the rest one row at a time pays: a listed term
+        /// costs about 1.6 of a tile's (it shares no loads across rows).
+        #[inline(always)]
+        fn __dense_sparse(masks: &[u64], stride: usize, rows: usize, terms: usize) -> bool {
+            let mut set = 0;
+            for r in 0..rows {
+                set += masks[r * stride].count_ones() as usize;
+            }
+            5 * set < 3 * rows * terms
         }
     };
     let forward = dispatched(
@@ -225,7 +267,32 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         }
     };
+    // One row at a time over its listed terms (`mask_of(r)`), against the stripe.
+    let listed_loop = |rows_expr: TokenStream, add: TokenStream, mask_of: TokenStream| {
+        let arms =
+            [(true, true), (true, false), (false, true), (false, false)].map(|(full, add)| {
+                quote! {
+                    (#full, #add) => __dense_axpys_listed::<__S, #vecs, #full, #add>(
+                        g.add(r * gs), gj, mask, v, k0, dst.add(r * __IC),
+                    ),
+                }
+            });
+        quote! {
+            let full = k0 + #vecs * __L <= __IC;
+            for r in 0..#rows_expr {
+                let mask = #mask_of;
+                match (full, #add) {
+                    #(#arms)*
+                }
+            }
+        }
+    };
     let data_loop = axpy_loop(quote!(rs), quote!(add));
+    let data_listed = listed_loop(
+        quote!(rs),
+        quote!(add),
+        quote!(masks[(r0 + r - batch.start) * __OCHUNKS + o0 / __CHUNK]),
+    );
     let data = dispatched(
         spec.dtype,
         "dense_data",
@@ -239,6 +306,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // stays in L1 for every row.
             let out = dx.part(batch.start * __IC, batch.len() * __IC);
             let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
+            // The nonzero terms of each row's chunks of channels.
+            let mut masks = [0u64; __DATA_MASKS];
+            if __DATA_MASKS > 0 {
+                for r in batch.clone() {
+                    for (o, &g) in dz[r * __OC..(r + 1) * __OC].iter().enumerate() {
+                        masks[(r - batch.start) * __OCHUNKS + o / __CHUNK] |= u64::from(g != 0.0) << (o % __CHUNK);
+                    }
+                }
+            }
             let mut k0 = 0;
             while k0 < __IC {
                 let mut o0 = 0;
@@ -251,7 +327,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         let (g, gs, gj, v) = (dz.as_ptr().add(r0 * __OC + o0), __OC, 1, stripe.as_ptr());
                         let dst = out.as_mut_ptr().add((r0 - batch.start) * __IC);
                         let add = o0 > 0;
-                        #data_loop
+                        let row = (r0 - batch.start) * __OCHUNKS + o0 / __CHUNK;
+                        if __DATA_MASKS > 0 && __dense_sparse(&masks[row..], __OCHUNKS, rs, terms) {
+                            #data_listed
+                        } else {
+                            #data_loop
+                        }
                         r0 += #tile_rows;
                     }
                     o0 += __CHUNK;
@@ -261,6 +342,11 @@ pub fn expand(spec: &Spec) -> TokenStream {
         },
     );
     let weights_loop = axpy_loop(quote!(os), quote!(true));
+    let weights_listed = listed_loop(
+        quote!(os),
+        quote!(true),
+        quote!(masks[(o0 + r - channels.start) * __BCHUNKS + b0 / __CHUNK]),
+    );
     let weights = dispatched(
         spec.dtype,
         "dense_weights",
@@ -274,6 +360,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // `__dense_stripe`) stays in L1 for every channel.
             let rows = dw.part(channels.start * __IC, channels.len() * __IC);
             let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
+            // The nonzero terms (batch rows) of each channel's chunks of rows.
+            let mut masks = [0u64; __WEIGHT_MASKS];
+            if __WEIGHT_MASKS > 0 {
+                for b in 0..__BATCH {
+                    for o in channels.clone() {
+                        masks[(o - channels.start) * __BCHUNKS + b / __CHUNK] |= u64::from(dz[b * __OC + o] != 0.0) << (b % __CHUNK);
+                    }
+                }
+            }
             let mut k0 = 0;
             while k0 < __IC {
                 let mut b0 = 0;
@@ -285,7 +380,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         let os = if channels.end - o0 < #tile_rows { channels.end - o0 } else { #tile_rows };
                         let (g, gs, gj, v) = (dz.as_ptr().add(b0 * __OC + o0), 1, __OC, stripe.as_ptr());
                         let dst = rows.as_mut_ptr().add((o0 - channels.start) * __IC);
-                        #weights_loop
+                        let row = (o0 - channels.start) * __BCHUNKS + b0 / __CHUNK;
+                        if __WEIGHT_MASKS > 0 && __dense_sparse(&masks[row..], __BCHUNKS, os, terms) {
+                            #weights_listed
+                        } else {
+                            #weights_loop
+                        }
                         o0 += #tile_rows;
                     }
                     b0 += __CHUNK;
@@ -376,8 +476,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
             });
         }
 
-        /// Terms (channels, or batch rows) of a gradient's stripe.
+        /// Terms (channels, or batch rows) of a gradient's stripe: the bits of a mask.
         const __CHUNK: usize = 64;
+        /// Chunks of output channels, and of batch rows.
+        const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
+        const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
+        /// Masks of nonzero terms kept on a kernel's stack (0: too many, the layer skips no
+        /// terms): the input gradient's for all rows, the weight gradient's for all channels.
+        const __DATA_MASKS: usize = if __BATCH * __OCHUNKS <= #mask_cap { __BATCH * __OCHUNKS } else { 0 };
+        const __WEIGHT_MASKS: usize = if __OC * __BCHUNKS <= #mask_cap { __OC * __BCHUNKS } else { 0 };
 
         #tiles
         #forward
