@@ -126,16 +126,15 @@ fn with_density(len: usize, percent: usize) -> Vec<f32> {
 /// The dense layer's `backward_full` at batch 32 at each density of nonzero values of the
 /// output gradient (and of the input, as after a ReLU).
 fn bench_sparse(threads: usize) -> conv_runtime::Result<Vec<Row>> {
-    const OPS: [&str; 4] = [
-        "backward_nz100",
-        "backward_nz30",
-        "backward_nz20",
-        "backward_nz10",
-    ];
     let mut cpu = Cpu::with_threads(threads)?;
     let net = Fc1024::new(&mut Rng::seed_from_u64(1));
     let mut rows = Vec::new();
-    for (percent, op) in [100, 30, 20, 10].into_iter().zip(OPS) {
+    for (percent, op) in [
+        (100, "backward_nz100"),
+        (30, "backward_nz30"),
+        (20, "backward_nz20"),
+        (10, "backward_nz10"),
+    ] {
         let x = Fc1024Input::<32>::from_vec(with_density(Fc1024Input::<32>::LEN, percent))?;
         let dy = Fc1024Output::<32>::from_vec(with_density(Fc1024Output::<32>::LEN, percent))?;
         let mut state = Fc1024State::new();

@@ -506,12 +506,11 @@ fn sparse_input(rng: &mut SplitMix64) -> Vec<f64> {
 /// all), with channel 2 of every 5 zero in every row and channel 0 of every 5 in none: tiles of
 /// either kind in both gradient kernels.
 fn sparse_output_gradient(rng: &mut SplitMix64) -> Vec<f64> {
-    let density = DENSITY;
     let mut dy = vec![0.0; WIDE_BATCH * WIDE_OUT];
     for (i, v) in dy.iter_mut().enumerate() {
         let (r, o) = (i / WIDE_OUT, i % WIDE_OUT);
         let value = rng.next_f64();
-        let kept = keep(rng, density[(r / 3) % density.len()]);
+        let kept = keep(rng, DENSITY[(r / 3) % DENSITY.len()]);
         *v = match o % 5 {
             2 => 0.0,
             0 => value,
@@ -552,8 +551,7 @@ macro_rules! wide_case {
             let net = $net::new(&mut Rng::seed_from_u64(8));
             let x = sparse_input(&mut rng);
             let dy = sparse_output_gradient(&mut rng);
-            let to = |v: &[f64]| v.iter().map(|&a| a as $elem).collect::<Vec<$elem>>();
-            let back = |v: &[$elem]| v.iter().map(|&a| a as f64).collect::<Vec<f64>>();
+            let (to, back) = (common::convert::<$elem>, common::to_f64::<$elem>);
             let xs = $input::<WIDE_BATCH>::from_vec(to(&x)).unwrap();
             let dys = $output::<WIDE_BATCH>::from_vec(to(&dy)).unwrap();
             // The reference on the values the layer holds (rounded to its type).

@@ -267,8 +267,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         }
     };
-    // One row at a time over its listed terms (`mask_of(r)`), against the stripe.
-    let listed_loop = |rows_expr: TokenStream, add: TokenStream, mask_of: TokenStream| {
+    // One row at a time over its listed terms (row `r`'s mask is `masks[row + r * stride]`),
+    // against the stripe.
+    let listed_loop = |rows_expr: TokenStream, add: TokenStream, stride: TokenStream| {
         let arms =
             [(true, true), (true, false), (false, true), (false, false)].map(|(full, add)| {
                 quote! {
@@ -280,7 +281,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         quote! {
             let full = k0 + #vecs * __L <= __IC;
             for r in 0..#rows_expr {
-                let mask = #mask_of;
+                let mask = masks[row + r * #stride];
                 match (full, #add) {
                     #(#arms)*
                 }
@@ -288,11 +289,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
     };
     let data_loop = axpy_loop(quote!(rs), quote!(add));
-    let data_listed = listed_loop(
-        quote!(rs),
-        quote!(add),
-        quote!(masks[(r0 + r - batch.start) * __OCHUNKS + o0 / __CHUNK]),
-    );
+    let data_listed = listed_loop(quote!(rs), quote!(add), quote!(__OCHUNKS));
     let data = dispatched(
         spec.dtype,
         "dense_data",
@@ -342,11 +339,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         },
     );
     let weights_loop = axpy_loop(quote!(os), quote!(true));
-    let weights_listed = listed_loop(
-        quote!(os),
-        quote!(true),
-        quote!(masks[(o0 + r - channels.start) * __BCHUNKS + b0 / __CHUNK]),
-    );
+    let weights_listed = listed_loop(quote!(os), quote!(true), quote!(__BCHUNKS));
     let weights = dispatched(
         spec.dtype,
         "dense_weights",
