@@ -741,3 +741,18 @@ network_equivalence!(network_flatten_first, f64, [3, 2, 5], [1, 1, 6], [
         fc2: Dense { out_features: 6 },
     ] },
 ]);
+
+// Two residual blocks of the same layers, the second's compiled as the first's: each keeps its
+// own parameters on the GPU too.
+network_equivalence!(network_repeated_blocks, f32, [6, 6, 4], [1, 1, 3], [
+    r1: Residual { layers: [
+        c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Relu },
+        c2: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+    ] },
+    r2: Residual { layers: [
+        c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Relu },
+        c2: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+    ] },
+    flat: Flatten,
+    q: Dense { out_features: 3 },
+]);

@@ -67,7 +67,7 @@ fn dense(features: usize, out: usize, activation: Activation) -> Spec {
 }
 
 /// A layer's parameters, by the network's names.
-fn params(net: &Mixed, entry: &str) -> Params {
+fn params<N: Parameters<Elem = f64> + Clone>(net: &N, entry: &str) -> Params {
     let mut p = Params::default();
     net.visit(&mut |name, v| {
         let v: Vec<f64> = v.to_vec();
@@ -258,7 +258,10 @@ fn data() -> (MixedInput<2>, MixedOutput<2>) {
 }
 
 /// `(name, gradient)` of every parameter, in visiting order.
-fn gradients(net: &Mixed, grads: &MixedGrads) -> Vec<(String, Vec<f64>)> {
+fn gradients<N: Parameters<Elem = f64> + Clone>(
+    net: &N,
+    grads: &N::Grads,
+) -> Vec<(String, Vec<f64>)> {
     let mut all = Vec::new();
     net.clone().visit_mut(grads, &mut |name, _, g| {
         all.push((name.to_string(), g.to_vec()))
@@ -325,6 +328,108 @@ fn every_operation_matches_the_reference() {
             let doubled: Vec<f64> = e.iter().map(|v| 2.0 * v).collect();
             assert_close(&format!("{name} accumulated"), g, &doubled, 1e-12);
         }
+    }
+}
+
+conv_runtime::network! {
+    /// Two residual blocks of the same layers: the second block's layers are compiled once,
+    /// as the first's, and keep their own parameters.
+    pub struct Twins {
+        input: [6, 6, 3],
+        batch: 2,
+        dtype: f64,
+        layers: [
+            c0: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Relu },
+            r1: Residual { layers: [
+                c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+            ] },
+            r2: Residual { layers: [
+                c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Relu },
+                c2: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+            ] },
+            flat: Flatten,
+            q: Dense { out_features: 3 },
+        ],
+    }
+}
+
+#[test]
+fn repeated_layers_keep_their_own_parameters() {
+    let mut rng = SplitMix64::new(23);
+    let x = TwinsInput::<2>::from_vec(rng.values(TwinsInput::<2>::LEN)).unwrap();
+    let dy = TwinsOutput::<2>::from_vec(rng.values(TwinsOutput::<2>::LEN)).unwrap();
+    let mut net = Twins::new(&mut Rng::seed_from_u64(5));
+    let (r1c1, r2c1) = (params(&net, "r1.c1"), params(&net, "r2.c1"));
+    assert_ne!(
+        r1c1.weights, r2c1.weights,
+        "the twins were initialized alike"
+    );
+    // The reference: each layer with its own parameters.
+    let s0 = conv([6, 6, 3], 4, 3, 1, Activation::Relu, Norm::None);
+    let s1 = conv([6, 6, 4], 4, 3, 1, Activation::Relu, Norm::None);
+    let s2 = conv([6, 6, 4], 4, 3, 1, Activation::Identity, Norm::None);
+    let sq = dense(144, 3, Activation::Identity);
+    let f0 = common::forward(&s0, &params(&net, "c0"), x.as_slice(), true);
+    let mut h = vec![f0.output.clone()];
+    let mut blocks = Vec::new();
+    for block in ["r1", "r2"] {
+        let (p1, p2) = (
+            params(&net, &format!("{block}.c1")),
+            params(&net, &format!("{block}.c2")),
+        );
+        let input = h[h.len() - 1].clone();
+        let f1 = common::forward(&s1, &p1, &input, true);
+        let f2 = common::forward(&s2, &p2, &f1.output, true);
+        h.push(input.iter().zip(&f2.output).map(|(a, b)| a + b).collect());
+        blocks.push((block, p1, p2, input, f1, f2));
+    }
+    let pq = params(&net, "q");
+    let fq = common::forward(&sq, &pq, &h[2], true);
+    let gq = common::backward(&sq, &pq, &h[2], &fq, dy.as_slice(), true);
+    let mut expected = vec![
+        ("q.biases".to_string(), gq.d_biases),
+        ("q.weights".to_string(), gq.d_weights),
+    ];
+    let mut d = gq.d_input;
+    for (block, p1, p2, input, f1, f2) in blocks.iter().rev() {
+        let g2 = common::backward(&s2, p2, &f1.output, f2, &d, true);
+        let g1 = common::backward(&s1, p1, input, f1, &g2.d_input, true);
+        d = d.iter().zip(&g1.d_input).map(|(a, b)| a + b).collect();
+        for (layer, g) in [("c2", g2), ("c1", g1)] {
+            expected.push((format!("{block}.{layer}.biases"), g.d_biases));
+            expected.push((format!("{block}.{layer}.weights"), g.d_weights));
+        }
+    }
+    let g0 = common::backward(&s0, &params(&net, "c0"), x.as_slice(), &f0, &d, true);
+    expected.push(("c0.biases".to_string(), g0.d_biases));
+    expected.push(("c0.weights".to_string(), g0.d_weights));
+
+    let mut cpu = common::cpu();
+    let mut state = TwinsState::new();
+    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+    assert_close("forward", state.output().as_slice(), &fq.output, 1e-9);
+    let mut y = TwinsOutput::<2>::zeros();
+    net.evaluate(&mut cpu, &x, &mut y).unwrap();
+    assert_close("evaluate", y.as_slice(), &fq.output, 1e-9);
+    let (mut grads, mut d_input) = (TwinsGrads::zeros(), TwinsInput::<2>::zeros());
+    net.backward_full(
+        &mut cpu,
+        &state,
+        &x,
+        &dy,
+        &mut d_input,
+        &mut grads,
+        Mode::Train,
+    )
+    .unwrap();
+    assert_close("d_input", d_input.as_slice(), &g0.d_input, 1e-9);
+    let got = gradients(&net, &grads);
+    assert_eq!(got.len(), expected.len());
+    for (name, g) in &got {
+        let e = expected.iter().find(|(n, _)| n == name);
+        let e = e.unwrap_or_else(|| panic!("no reference gradient for {name}"));
+        assert_close(name, g, &e.1, 1e-9);
     }
 }
 

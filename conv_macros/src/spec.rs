@@ -131,6 +131,21 @@ impl Spec {
     pub fn fan_in(&self) -> usize {
         self.in_c() * self.kernel[0] * self.kernel[1]
     }
+    /// Whether `other` generates the same code as this spec under its own name: the same shapes,
+    /// activation, normalization, element type and initialization. Attributes and visibility
+    /// are not compared (a network's layers have none and are all `pub`).
+    pub fn same_layer(&self, other: &Spec) -> bool {
+        self.input == other.input
+            && self.out_channels == other.out_channels
+            && self.kernel == other.kernel
+            && self.stride == other.stride
+            && self.padding == other.padding
+            && self.activation == other.activation
+            && self.norm == other.norm
+            && self.batch == other.batch
+            && self.dtype == other.dtype
+            && self.init == other.init
+    }
     /// The sizes every generated block names, under the names the CPU and CUDA code use.
     pub fn sizes(&self) -> [(&'static str, usize); 13] {
         [

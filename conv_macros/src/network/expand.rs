@@ -4,7 +4,9 @@
 //!
 //! Layout of what is emitted, for `pub struct Net { .. }`:
 //! - `mod __Net`: each `Conv2d` and `Dense` entry as a `conv2d!` layer named by its path
-//!   (`conv1`, `block__conv1` inside residual `block`), a struct per residual block holding its
+//!   (`conv1`, `block__conv1` inside residual `block`; an entry the same as an earlier one in
+//!   all but its name as aliases of the earlier one's items, so that repeated blocks compile
+//!   their kernels once), a struct per residual block holding its
 //!   layers, the pooling and element-wise kernels, and the workspaces (`__Eval<B>` for
 //!   `evaluate`, `__Grad` for the backward passes), which the device keeps between calls;
 //! - `Net`, `NetGrads` (one field per entry with parameters), `NetState` (what the backward pass
@@ -46,10 +48,7 @@ pub fn expand(net: &Network) -> TokenStream {
     let batch = lit(net.batch);
 
     // Layers, and a struct per residual block.
-    let layers = all
-        .iter()
-        .filter_map(|e| e.layer())
-        .map(crate::expand::expand);
+    let layers = layer_items(&all);
     let blocks = all.iter().filter_map(|e| match &e.kind {
         Kind::Residual(inner) => Some(block_structs(&e.path, inner)),
         _ => None,
@@ -153,7 +152,7 @@ pub fn expand(net: &Network) -> TokenStream {
         #[doc(hidden)]
         #[allow(non_camel_case_types, non_snake_case, dead_code, clippy::all)]
         #vis mod #module {
-            #(#layers)*
+            #layers
             #(#blocks)*
             #(#kernels)*
 
@@ -312,6 +311,59 @@ pub fn expand(net: &Network) -> TokenStream {
 }
 
 /// `(field names, types, gradient types)` of the entries of a list that have parameters.
+/// Every layer's items: a `conv2d!` expansion for each distinct spec, and for a layer that is
+/// the same as an earlier one under another name (a repeated residual block), aliases of the
+/// earlier one's items, so that its kernels are compiled once. The layers hold their own
+/// parameters either way.
+fn layer_items(all: &[&Entry]) -> TokenStream {
+    let mut expanded: Vec<&crate::spec::Spec> = Vec::new();
+    let mut items = TokenStream::new();
+    for spec in all.iter().filter_map(|e| e.layer()) {
+        match expanded.iter().find(|first| first.same_layer(spec)) {
+            Some(first) => items.extend(layer_aliases(first, spec)),
+            None => {
+                items.extend(crate::expand::expand(spec));
+                expanded.push(spec);
+            }
+        }
+    }
+    items
+}
+
+/// `spec`'s items as aliases of `first`'s (see [`layer_items`]).
+fn layer_aliases(first: &crate::spec::Spec, spec: &crate::spec::Spec) -> TokenStream {
+    let vis = &spec.vis;
+    let [layer, grads, state, device, input, output, cuda, cuda_grads, cuda_state] =
+        super::SUFFIXES.map(|s| {
+            (
+                format_ident!("{}{}", first.ident, s),
+                format_ident!("{}{}", spec.ident, s),
+            )
+        });
+    let doc = format!("The same layer as [`{}`].", first.ident);
+    let rt = rt();
+    let alias = |(of, name): (syn::Ident, syn::Ident)| quote!(#vis type #name = #of;);
+    let batched = |(of, name): (syn::Ident, syn::Ident)| quote!(#vis type #name<const __B: usize> = #of<{ __B }>;);
+    let (device_of, device_name) = device;
+    let (layer, grads, state) = (alias(layer), alias(grads), alias(state));
+    let (input, output) = (batched(input), batched(output));
+    let (cuda, cuda_grads, cuda_state) = (alias(cuda), alias(cuda_grads), alias(cuda_state));
+    quote! {
+        #[doc = #doc]
+        #layer
+        #grads
+        #state
+        #vis use #device_of as #device_name;
+        #input
+        #output
+        #rt::if_cuda! {
+            #cuda
+            #cuda_grads
+            #cuda_state
+        }
+    }
+}
+
 /// `prefix` is the path to the hidden module's items (`__Net::`, or nothing inside it).
 fn param_fields(
     prefix: &TokenStream,

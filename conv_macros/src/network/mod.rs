@@ -84,22 +84,24 @@ fn fallback(attrs: &[syn::Attribute], vis: &syn::Visibility, name: &syn::Ident) 
     }
 }
 
+/// The items a network defines per name (`Net`, `NetGrads`, ..), and a `conv2d!` layer per
+/// entry.
+pub(crate) const SUFFIXES: [&str; 9] = [
+    "",
+    "Grads",
+    "State",
+    "Device",
+    "Input",
+    "Output",
+    "Cuda",
+    "CudaGrads",
+    "CudaState",
+];
+
 /// The public items a network defines, by name (see `crate::hygiene`).
 #[cfg(test)]
 pub fn public_names(net: &spec::Network) -> Vec<String> {
     let name = &net.ident;
-    // What `network!` defines per network, and per entry inside the hidden module.
-    const SUFFIXES: [&str; 9] = [
-        "",
-        "Grads",
-        "State",
-        "Device",
-        "Input",
-        "Output",
-        "Cuda",
-        "CudaGrads",
-        "CudaState",
-    ];
     let mut names: Vec<String> = SUFFIXES.iter().map(|s| format!("{name}{s}")).collect();
     names.push(format!("__{name}"));
     for e in net.all_entries() {
