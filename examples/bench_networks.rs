@@ -1,6 +1,7 @@
 //! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action
 //! (`evaluate` at batch 1) and the training step at batch 32 (`forward` + `backward` + one Adam
-//! step over the whole network), at each thread count. Also MinAtar's dense layer alone at
+//! step over the whole network), at each thread count, and the step's three parts (`step_forward`,
+//! `step_backward`, `step_adam`) timed inside consecutive steps. Also MinAtar's dense layer alone at
 //! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
 //! by skipping zero terms.
 //!
@@ -204,25 +205,53 @@ macro_rules! bench_network {
             adam.step(&mut net, &grads);
             Ok(())
         })?;
+        // The step's parts, timed inside consecutive steps: what one part leaves in the other
+        // cores' caches costs the next.
+        let steps = ((1.5e6 / step.0) as usize).max(15);
+        let mut parts = [vec![0.0; steps], vec![0.0; steps], vec![0.0; steps]];
+        for i in 0..steps {
+            let t0 = Instant::now();
+            net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
+            let t1 = Instant::now();
+            grads.zero();
+            net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
+            let t2 = Instant::now();
+            adam.step(&mut net, &grads);
+            let t3 = Instant::now();
+            for (part, (a, b)) in parts.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+                part[i] = (b - a).as_secs_f64() * 1e6;
+            }
+        }
+        let [forward, backward, optimizer] = parts.map(|p| groups(&p));
+        let row = |op: &'static str, batch: usize, (us, spread): (f64, f64)| Row {
+            network: $name,
+            op,
+            batch,
+            threads,
+            us,
+            spread,
+        };
         [
-            Row {
-                network: $name,
-                op: "act",
-                batch: 1,
-                threads,
-                us: act.0,
-                spread: act.1,
-            },
-            Row {
-                network: $name,
-                op: "train_step",
-                batch: 32,
-                threads,
-                us: step.0,
-                spread: step.1,
-            },
+            row("act", 1, act),
+            row("train_step", 32, step),
+            row("step_forward", 32, forward),
+            row("step_backward", 32, backward),
+            row("step_adam", 32, optimizer),
         ]
     }};
+}
+
+/// Median and spread ((max - min) / median) of the means of 5 consecutive groups of `samples`,
+/// as [`time`] reports its repetitions.
+fn groups(samples: &[f64]) -> (f64, f64) {
+    let n = samples.len() / 5;
+    let mut means: Vec<f64> = samples
+        .chunks_exact(n)
+        .take(5)
+        .map(|g| g.iter().sum::<f64>() / n as f64)
+        .collect();
+    means.sort_by(f64::total_cmp);
+    (means[2], (means[4] - means[0]) / means[2])
 }
 
 struct Row {

@@ -269,17 +269,20 @@ impl<A: Real> Adam<A> {
         self.state.step += 1;
         let (correction2_sqrt, step_size) = self.corrections(self.state.step);
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
+        let k = AdamStep {
+            b1,
+            b2,
+            eps,
+            wd,
+            correction2_sqrt,
+            step_size,
+        };
         self.state.apply(params, grads, |slot, grad, values| {
-            if slot.v.len() != values.len() {
-                slot.v = vec![A::zero(); values.len()];
+            let n = values.len();
+            if slot.v.len() != n {
+                slot.v = vec![A::zero(); n];
             }
-            for i in 0..values.len() {
-                let g = grad[i] + wd * values[i];
-                slot.m[i] = b1 * slot.m[i] + (A::ONE - b1) * g;
-                slot.v[i] = b2 * slot.v[i] + (A::ONE - b2) * g * g;
-                let denom = slot.v[i].sqrt() / correction2_sqrt + eps;
-                values[i] -= step_size * slot.m[i] / denom;
-            }
+            adam_update(values, &grad[..n], &mut slot.m[..n], &mut slot.v[..n], &k);
         });
     }
 
@@ -562,6 +565,54 @@ struct RmsPropStep<A> {
     momentum: A,
     /// `1 - alpha`.
     weight: A,
+}
+
+/// The constants of one Adam step.
+struct AdamStep<A> {
+    b1: A,
+    b2: A,
+    eps: A,
+    wd: A,
+    /// `sqrt(1 - beta2^t)`.
+    correction2_sqrt: A,
+    /// `lr / (1 - beta1^t)`.
+    step_size: A,
+}
+
+/// One Adam step over one tensor (slices of one length). Dispatched to an AVX2 instantiation
+/// where the CPU has it, as [`rmsprop_update`]: the same arithmetic per element, operation for
+/// operation (no FMA contraction), so the bits are those of the scalar loop and of the GPU.
+fn adam_update<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
+    #[inline(always)]
+    fn run<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
+        let n = values.len();
+        let (grad, m, v) = (&grad[..n], &mut m[..n], &mut v[..n]);
+        for i in 0..n {
+            let g = grad[i] + k.wd * values[i];
+            m[i] = k.b1 * m[i] + (A::ONE - k.b1) * g;
+            v[i] = k.b2 * v[i] + (A::ONE - k.b2) * g * g;
+            let denom = v[i].sqrt() / k.correction2_sqrt + k.eps;
+            values[i] -= k.step_size * m[i] / denom;
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn run_avx2<A: Real>(
+            values: &mut [A],
+            grad: &[A],
+            m: &mut [A],
+            v: &mut [A],
+            k: &AdamStep<A>,
+        ) {
+            run(values, grad, m, v, k)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { run_avx2(values, grad, m, v, k) };
+        }
+    }
+    run(values, grad, m, v, k)
 }
 
 /// One parameter tensor's slices of an RMSprop step (`mean` is empty unless centered).
