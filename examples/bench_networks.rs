@@ -202,7 +202,7 @@ macro_rules! bench_network {
             net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
             grads.zero();
             net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
-            adam.step(&mut net, &grads);
+            adam.step_on(&cpu, &mut net, &grads);
             Ok(())
         })?;
         // The step's parts, timed inside consecutive steps: what one part leaves in the other
@@ -216,7 +216,7 @@ macro_rules! bench_network {
             grads.zero();
             net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
             let t2 = Instant::now();
-            adam.step(&mut net, &grads);
+            adam.step_on(&cpu, &mut net, &grads);
             let t3 = Instant::now();
             for (part, (a, b)) in parts.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
                 part[i] = (b - a).as_secs_f64() * 1e6;

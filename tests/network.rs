@@ -527,6 +527,75 @@ fn the_same_bits_on_any_number_of_threads() {
     }
 }
 
+conv_runtime::conv2d! {
+    /// A half-precision layer: its optimizers keep f32 master copies.
+    pub struct HalfConv { input: [5, 5, 8], out_channels: 16, kernel: 3, batch: 2, dtype: bf16 }
+}
+
+/// Three steps of each optimizer (momentum, Nesterov, weight decay, centered RMSprop) with
+/// `step` and with `step_on` a device of 1 to 7 threads splitting every tensor: the same bits.
+macro_rules! same_steps_on_threads {
+    ($net:expr, $grads:expr, $lr:expr) => {{
+        let (net, grads) = ($net, $grads);
+        let bits = |n: &_| {
+            let mut all = Vec::new();
+            Parameters::visit(n, &mut |_, v| all.extend(common::to_f64(v)));
+            all.iter().map(|v| v.to_bits()).collect::<Vec<u64>>()
+        };
+        for threads in [1, 2, 3, 7] {
+            let device = Cpu::with_threads(threads).unwrap().__split_everything();
+            let mut sgd = (
+                Sgd::new($lr).with_momentum($lr),
+                Sgd::new($lr).with_momentum($lr),
+            );
+            sgd.0.nesterov = true;
+            sgd.1.nesterov = true;
+            let mut adam = (
+                Adam::new($lr).with_weight_decay($lr),
+                Adam::new($lr).with_weight_decay($lr),
+            );
+            let rmsprop = || RmsProp::new($lr).with_centered(true).with_momentum($lr);
+            let mut rmsprop = (rmsprop(), rmsprop());
+            let (mut a, mut b) = (net.clone(), net.clone());
+            for step in 0..3 {
+                sgd.0.step(&mut a, grads);
+                sgd.1.step_on(&device, &mut b, grads);
+                adam.0.step(&mut a, grads);
+                adam.1.step_on(&device, &mut b, grads);
+                rmsprop.0.step(&mut a, grads);
+                rmsprop.1.step_on(&device, &mut b, grads);
+                assert_ne!(bits(&a), bits(net), "step {step} changed nothing");
+                assert!(
+                    bits(&a) == bits(&b),
+                    "step {step} on {threads} threads: other bits than on the calling thread"
+                );
+            }
+        }
+    }};
+}
+
+#[test]
+fn optimizers_step_the_same_bits_on_any_number_of_threads() {
+    let (x, dy) = data();
+    let mut net = Mixed::new(&mut Rng::seed_from_u64(3));
+    let mut cpu = common::cpu();
+    let mut state = MixedState::new();
+    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+    let mut grads = MixedGrads::zeros();
+    net.backward(&mut cpu, &state, &x, &dy, &mut grads, Mode::Train)
+        .unwrap();
+    same_steps_on_threads!(&net, &grads, 0.01);
+
+    // Half precision: the master copies are updated in parts too.
+    let mut rng = SplitMix64::new(31);
+    let layer = HalfConv::new(&mut Rng::seed_from_u64(4));
+    let mut grads = HalfConvGrads::zeros();
+    let n = grads.weights.as_slice().len();
+    grads.weights = Tensor::from_vec(common::convert(&rng.values(n))).unwrap();
+    grads.biases = Vector::from_vec(common::convert(&rng.values(16))).unwrap();
+    same_steps_on_threads!(&layer, &grads, 0.01f32);
+}
+
 #[test]
 fn adam_steps_the_whole_network() {
     let (x, dy) = data();

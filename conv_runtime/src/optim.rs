@@ -10,6 +10,7 @@
 
 use std::any::TypeId;
 
+use crate::cpu::{Cpu, Pool, Shared};
 use crate::element::{Element, Real};
 use crate::params::{ParamTensor, Parameters};
 
@@ -41,12 +42,17 @@ impl<A: Real> State<A> {
         }
     }
 
-    /// Runs `update(slot, grad, values in A)` for every parameter, handling the master copy.
+    /// Runs `update` over every parameter tensor (with its gradient and the optimizer's state,
+    /// `v` and `mean` allocated where asked), handling the master copy. With a pool, a tensor
+    /// large enough is cut into contiguous parts updated on its threads: element by element,
+    /// the same arithmetic, so the same bits whatever the threads.
     fn apply<P: Parameters>(
         &mut self,
         params: &mut P,
         grads: &P::Grads,
-        mut update: impl FnMut(&mut Slot<A>, &[A], &mut [A]),
+        pool: Option<&Pool>,
+        (with_v, with_mean): (bool, bool),
+        update: &(dyn Fn(Part<'_, A>) + Sync),
     ) where
         P::Elem: Element<Acc = A>,
     {
@@ -56,8 +62,8 @@ impl<A: Real> State<A> {
         params.visit_mut(
             grads,
             &mut |_, tensor: &mut dyn ParamTensor<P::Elem>, grad: &[A]| {
+                let n = grad.len();
                 if slots.len() == index {
-                    let n = grad.len();
                     slots.push(Slot {
                         m: vec![A::zero(); n],
                         v: Vec::new(),
@@ -68,12 +74,18 @@ impl<A: Real> State<A> {
                 }
                 let slot = &mut slots[index];
                 index += 1;
+                if with_v && slot.v.len() != n {
+                    slot.v = vec![A::zero(); n];
+                }
+                if with_mean && slot.mean.len() != n {
+                    slot.mean = vec![A::zero(); n];
+                }
                 if needs_master {
-                    if slot.master.len() != grad.len() || slot.written != tensor.stamp() {
+                    if slot.master.len() != n || slot.written != tensor.stamp() {
                         slot.master = tensor.values().iter().map(|v| v.to_acc()).collect();
                     }
                     let mut master = std::mem::take(&mut slot.master);
-                    update(slot, grad, &mut master);
+                    run_parts(pool, slot, grad, &mut master, update);
                     let values = tensor.values_mut();
                     P::Elem::from_acc_slice(&master, values);
                     slot.master = master;
@@ -85,10 +97,72 @@ impl<A: Real> State<A> {
                     let values: &mut [A] = unsafe {
                         std::slice::from_raw_parts_mut(values.as_mut_ptr() as *mut A, values.len())
                     };
-                    update(slot, grad, values);
+                    run_parts(pool, slot, grad, values, update);
                 }
             },
         );
+    }
+}
+
+/// One tensor's elements (or a contiguous part of them) in a step: the values, their gradients
+/// and the optimizer's state, each of one length (`v` and `mean` empty where not kept).
+struct Part<'a, A> {
+    values: &'a mut [A],
+    grad: &'a [A],
+    m: &'a mut [A],
+    v: &'a mut [A],
+    mean: &'a mut [A],
+}
+
+/// The work of one element of an optimizer step, in [`Pool::workers`]' multiply-adds: a square
+/// root and a division or two.
+const STEP_WORK: usize = 2 * crate::cpu::ELEMENT_WORK;
+
+/// `update` over one tensor: in one part, or with a pool in one contiguous part per worker.
+fn run_parts<A: Real>(
+    pool: Option<&Pool>,
+    slot: &mut Slot<A>,
+    grad: &[A],
+    values: &mut [A],
+    update: &(dyn Fn(Part<'_, A>) + Sync),
+) {
+    let n = values.len();
+    let (m, v, mean) = (&mut slot.m[..n], &mut slot.v[..], &mut slot.mean[..]);
+    let Some(pool) = pool.filter(|p| p.workers(n, n * STEP_WORK) > 1) else {
+        update(Part {
+            values,
+            grad,
+            m,
+            v,
+            mean,
+        });
+        return;
+    };
+    let [values, m, v, mean] = [values, m, v, mean].map(Shared::new);
+    pool.split(n, STEP_WORK, &|range| {
+        let (start, len) = (range.start, range.len());
+        update(Part {
+            // SAFETY: the workers' ranges are disjoint.
+            values: unsafe { values.part(start, len) },
+            grad: &grad[range],
+            // SAFETY: as the values.
+            m: unsafe { state_part(&m, start, len) },
+            v: unsafe { state_part(&v, start, len) },
+            mean: unsafe { state_part(&mean, start, len) },
+        });
+    });
+}
+
+/// Elements `start..start + len` of a kept state; an empty one (not kept) stays empty.
+///
+/// # Safety
+/// As [`Shared::part`].
+unsafe fn state_part<'a, A>(s: &Shared<'a, A>, start: usize, len: usize) -> &'a mut [A] {
+    if s.is_empty() {
+        Default::default()
+    } else {
+        // SAFETY: the caller's.
+        unsafe { s.part(start, len) }
     }
 }
 
@@ -142,6 +216,22 @@ impl<A: Real> Sgd<A> {
     where
         P::Elem: Element<Acc = A>,
     {
+        self.step_with(None, params, grads);
+    }
+
+    /// [`Sgd::step`] on the device's threads: a tensor large enough is cut into one part
+    /// per thread. The same bits as `step`, whatever the threads.
+    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        self.step_with(Some(cpu.__pool()), params, grads);
+    }
+
+    fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
         let (lr, momentum, dampening, wd, nesterov) = (
             self.lr,
             self.momentum,
@@ -151,11 +241,12 @@ impl<A: Real> Sgd<A> {
         );
         let first = self.state.step == 0;
         self.state.step += 1;
-        self.state.apply(params, grads, |slot, grad, values| {
+        self.state.apply(params, grads, pool, (false, false), &|p| {
+            let (values, grad, m) = (p.values, p.grad, p.m);
             for i in 0..values.len() {
                 let mut g = grad[i] + wd * values[i];
                 if momentum != A::zero() {
-                    let buf = &mut slot.m[i];
+                    let buf = &mut m[i];
                     *buf = if first {
                         g
                     } else {
@@ -266,6 +357,22 @@ impl<A: Real> Adam<A> {
     where
         P::Elem: Element<Acc = A>,
     {
+        self.step_with(None, params, grads);
+    }
+
+    /// [`Adam::step`] on the device's threads: a tensor large enough is cut into one part
+    /// per thread. The same bits as `step`, whatever the threads.
+    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        self.step_with(Some(cpu.__pool()), params, grads);
+    }
+
+    fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
         self.state.step += 1;
         let (correction2_sqrt, step_size) = self.corrections(self.state.step);
         let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
@@ -277,13 +384,8 @@ impl<A: Real> Adam<A> {
             correction2_sqrt,
             step_size,
         };
-        self.state.apply(params, grads, |slot, grad, values| {
-            let n = values.len();
-            if slot.v.len() != n {
-                slot.v = vec![A::zero(); n];
-            }
-            adam_update(values, &grad[..n], &mut slot.m[..n], &mut slot.v[..n], &k);
-        });
+        self.state
+            .apply(params, grads, pool, (true, false), &|p| adam_update(p, &k));
     }
 
     /// One step on parameters that live on the GPU, with the same arithmetic as [`Adam::step`]
@@ -469,6 +571,22 @@ impl<A: Real> RmsProp<A> {
     where
         P::Elem: Element<Acc = A>,
     {
+        self.step_with(None, params, grads);
+    }
+
+    /// [`RmsProp::step`] on the device's threads: a tensor large enough is cut into one part
+    /// per thread. The same bits as `step`, whatever the threads.
+    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
+        self.step_with(Some(cpu.__pool()), params, grads);
+    }
+
+    fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
+    where
+        P::Elem: Element<Acc = A>,
+    {
         self.state.step += 1;
         let (lr, alpha, eps, wd, momentum, centered) = (
             self.lr,
@@ -492,31 +610,18 @@ impl<A: Real> RmsProp<A> {
             momentum,
             weight,
         };
-        self.state.apply(params, grads, |slot, grad, values| {
-            let n = values.len();
-            if slot.v.len() != n {
-                slot.v = vec![A::zero(); n];
-            }
-            if centered && slot.mean.len() != n {
-                slot.mean = vec![A::zero(); n];
-            }
-            let slices = RmsPropSlices {
-                values,
-                grad: &grad[..n],
-                v: &mut slot.v[..n],
-                mean: &mut slot.mean,
-                m: &mut slot.m[..n],
-            };
-            // The options fixed for the loop, so that it vectorizes (AVX2 where the CPU has it).
-            match (centered, with_momentum, small_weight) {
-                (false, false, _) => rmsprop_update::<A, false, false, false>(slices, &k),
-                (false, true, _) => rmsprop_update::<A, false, true, false>(slices, &k),
-                (true, false, false) => rmsprop_update::<A, true, false, false>(slices, &k),
-                (true, false, true) => rmsprop_update::<A, true, false, true>(slices, &k),
-                (true, true, false) => rmsprop_update::<A, true, true, false>(slices, &k),
-                (true, true, true) => rmsprop_update::<A, true, true, true>(slices, &k),
-            }
-        });
+        self.state
+            .apply(params, grads, pool, (true, centered), &|slices| {
+                // The options fixed for the loop, so that it vectorizes (AVX2 where the CPU has it).
+                match (centered, with_momentum, small_weight) {
+                    (false, false, _) => rmsprop_update::<A, false, false, false>(slices, &k),
+                    (false, true, _) => rmsprop_update::<A, false, true, false>(slices, &k),
+                    (true, false, false) => rmsprop_update::<A, true, false, false>(slices, &k),
+                    (true, false, true) => rmsprop_update::<A, true, false, true>(slices, &k),
+                    (true, true, false) => rmsprop_update::<A, true, true, false>(slices, &k),
+                    (true, true, true) => rmsprop_update::<A, true, true, true>(slices, &k),
+                }
+            });
     }
 
     /// One step on parameters that live on the GPU, with the same arithmetic as
@@ -582,11 +687,11 @@ struct AdamStep<A> {
 /// One Adam step over one tensor (slices of one length). Dispatched to an AVX2 instantiation
 /// where the CPU has it, as [`rmsprop_update`]: the same arithmetic per element, operation for
 /// operation (no FMA contraction), so the bits are those of the scalar loop and of the GPU.
-fn adam_update<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
+fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
     #[inline(always)]
-    fn run<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
-        let n = values.len();
-        let (grad, m, v) = (&grad[..n], &mut m[..n], &mut v[..n]);
+    fn run<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+        let n = p.values.len();
+        let (values, grad, m, v) = (p.values, &p.grad[..n], &mut p.m[..n], &mut p.v[..n]);
         for i in 0..n {
             let g = grad[i] + k.wd * values[i];
             m[i] = k.b1 * m[i] + (A::ONE - k.b1) * g;
@@ -598,30 +703,15 @@ fn adam_update<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], 
     #[cfg(target_arch = "x86_64")]
     {
         #[target_feature(enable = "avx2")]
-        unsafe fn run_avx2<A: Real>(
-            values: &mut [A],
-            grad: &[A],
-            m: &mut [A],
-            v: &mut [A],
-            k: &AdamStep<A>,
-        ) {
-            run(values, grad, m, v, k)
+        unsafe fn run_avx2<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+            run(p, k)
         }
         if crate::simd::avx2_fma() {
             // SAFETY: the CPU has AVX2.
-            return unsafe { run_avx2(values, grad, m, v, k) };
+            return unsafe { run_avx2(p, k) };
         }
     }
-    run(values, grad, m, v, k)
-}
-
-/// One parameter tensor's slices of an RMSprop step (`mean` is empty unless centered).
-struct RmsPropSlices<'a, A> {
-    values: &'a mut [A],
-    grad: &'a [A],
-    v: &'a mut [A],
-    mean: &'a mut [A],
-    m: &'a mut [A],
+    run(p, k)
 }
 
 /// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants: `CENTERED`,
@@ -630,12 +720,12 @@ struct RmsPropSlices<'a, A> {
 /// same, operation for operation, in either (no FMA contraction), so steps stay bit-identical
 /// to the GPU's.
 fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-    s: RmsPropSlices<'_, A>,
+    s: Part<'_, A>,
     k: &RmsPropStep<A>,
 ) {
     #[inline(always)]
     fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-        s: RmsPropSlices<'_, A>,
+        s: Part<'_, A>,
         k: &RmsPropStep<A>,
     ) {
         let n = s.values.len();
@@ -682,7 +772,7 @@ fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMA
             const MOMENTUM: bool,
             const SMALL: bool,
         >(
-            s: RmsPropSlices<'_, A>,
+            s: Part<'_, A>,
             k: &RmsPropStep<A>,
         ) {
             run::<A, CENTERED, MOMENTUM, SMALL>(s, k)

@@ -374,7 +374,7 @@ fn train(config: &Config) -> Result<Run, Box<dyn StdError>> {
             net.forward(&mut cpu, &batch, &mut state, Mode::Train)?;
             huber_on_actions(state.output(), &actions, &targets, &mut d_q)?;
             net.backward(&mut cpu, &state, &batch, &d_q, &mut grads, Mode::Train)?;
-            optimizer.step(&mut net, &grads);
+            optimizer.step_on(&cpu, &mut net, &grads);
             grads.zero();
         }
         if frame % TARGET_EVERY == 0 {
