@@ -166,6 +166,30 @@ unsafe fn state_part<'a, A>(s: &Shared<'a, A>, start: usize, len: usize) -> &'a 
     }
 }
 
+/// An optimizer's `step` (on the calling thread) and `step_on` (on a device's threads), both
+/// through its `step_with`.
+macro_rules! steps {
+    ($name:ident) => {
+        /// One step on `params` with `grads`.
+        pub fn step<P: Parameters>(&mut self, params: &mut P, grads: &P::Grads)
+        where
+            P::Elem: Element<Acc = A>,
+        {
+            self.step_with(None, params, grads);
+        }
+
+        #[doc = concat!("[`", stringify!($name), "::step`] on the device's threads: a tensor large")]
+        /// enough is cut into one part per thread. The same bits as `step`, whatever the
+        /// threads.
+        pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
+        where
+            P::Elem: Element<Acc = A>,
+        {
+            self.step_with(Some(cpu.__pool()), params, grads);
+        }
+    };
+}
+
 /// Stochastic gradient descent with momentum, dampening, Nesterov momentum and L2 weight decay
 /// (`torch.optim.SGD`).
 pub struct Sgd<A: Real> {
@@ -211,22 +235,7 @@ impl<A: Real> Sgd<A> {
         self
     }
 
-    /// One step on `params` with `grads`.
-    pub fn step<P: Parameters>(&mut self, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(None, params, grads);
-    }
-
-    /// [`Sgd::step`] on the device's threads: a tensor large enough is cut into one part
-    /// per thread. The same bits as `step`, whatever the threads.
-    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(Some(cpu.__pool()), params, grads);
-    }
+    steps!(Sgd);
 
     fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
     where
@@ -352,22 +361,7 @@ impl<A: Real> Adam<A> {
         self.state.step
     }
 
-    /// One step on `params` with `grads`.
-    pub fn step<P: Parameters>(&mut self, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(None, params, grads);
-    }
-
-    /// [`Adam::step`] on the device's threads: a tensor large enough is cut into one part
-    /// per thread. The same bits as `step`, whatever the threads.
-    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(Some(cpu.__pool()), params, grads);
-    }
+    steps!(Adam);
 
     fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
     where
@@ -566,22 +560,7 @@ impl<A: Real> RmsProp<A> {
         self.state.step
     }
 
-    /// One step on `params` with `grads`.
-    pub fn step<P: Parameters>(&mut self, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(None, params, grads);
-    }
-
-    /// [`RmsProp::step`] on the device's threads: a tensor large enough is cut into one part
-    /// per thread. The same bits as `step`, whatever the threads.
-    pub fn step_on<P: Parameters>(&mut self, cpu: &Cpu, params: &mut P, grads: &P::Grads)
-    where
-        P::Elem: Element<Acc = A>,
-    {
-        self.step_with(Some(cpu.__pool()), params, grads);
-    }
+    steps!(RmsProp);
 
     fn step_with<P: Parameters>(&mut self, pool: Option<&Pool>, params: &mut P, grads: &P::Grads)
     where
