@@ -198,27 +198,25 @@ macro_rules! bench_network {
         )?;
         let (mut grads, mut state) = ($grads::zeros(), $state::new());
         let mut adam = Adam::new(1e-4);
-        let step = time(|| {
+        // One step, with the instants its parts end at.
+        let mut step_marked = || -> conv_runtime::Result<[Instant; 3]> {
             net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
+            let forward = Instant::now();
             grads.zero();
             net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
+            let backward = Instant::now();
             adam.step_on(&cpu, &mut net, &grads);
-            Ok(())
-        })?;
+            Ok([forward, backward, Instant::now()])
+        };
+        let step = time(|| step_marked().map(|_| ()))?;
         // The step's parts, timed inside consecutive steps: what one part leaves in the other
         // cores' caches costs the next.
         let steps = ((1.5e6 / step.0) as usize).max(15);
         let mut parts = [vec![0.0; steps], vec![0.0; steps], vec![0.0; steps]];
         for i in 0..steps {
-            let t0 = Instant::now();
-            net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
-            let t1 = Instant::now();
-            grads.zero();
-            net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
-            let t2 = Instant::now();
-            adam.step_on(&cpu, &mut net, &grads);
-            let t3 = Instant::now();
-            for (part, (a, b)) in parts.iter_mut().zip([(t0, t1), (t1, t2), (t2, t3)]) {
+            let start = Instant::now();
+            let [t1, t2, t3] = step_marked()?;
+            for (part, (a, b)) in parts.iter_mut().zip([(start, t1), (t1, t2), (t2, t3)]) {
                 part[i] = (b - a).as_secs_f64() * 1e6;
             }
         }

@@ -369,12 +369,11 @@ impl<A: Real> Adam<A> {
     {
         self.state.step += 1;
         let (correction2_sqrt, step_size) = self.corrections(self.state.step);
-        let (b1, b2, eps, wd) = (self.beta1, self.beta2, self.eps, self.weight_decay);
         let k = AdamStep {
-            b1,
-            b2,
-            eps,
-            wd,
+            b1: self.beta1,
+            b2: self.beta2,
+            eps: self.eps,
+            wd: self.weight_decay,
             correction2_sqrt,
             step_size,
         };

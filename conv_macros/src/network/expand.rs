@@ -310,7 +310,6 @@ pub fn expand(net: &Network) -> TokenStream {
     }
 }
 
-/// `(field names, types, gradient types)` of the entries of a list that have parameters.
 /// Every layer's items: a `conv2d!` expansion for each distinct spec, and for a layer that is
 /// the same as an earlier one under another name (a repeated residual block), aliases of the
 /// earlier one's items, so that its kernels are compiled once. The layers hold their own
@@ -364,6 +363,7 @@ fn layer_aliases(first: &crate::spec::Spec, spec: &crate::spec::Spec) -> TokenSt
     }
 }
 
+/// `(field names, types, gradient types)` of the entries of a list that have parameters.
 /// `prefix` is the path to the hidden module's items (`__Net::`, or nothing inside it).
 fn param_fields(
     prefix: &TokenStream,
