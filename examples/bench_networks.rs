@@ -3,7 +3,8 @@
 //! step over the whole network), at each thread count, and the step's three parts (`step_forward`,
 //! `step_backward`, `step_adam`) timed inside consecutive steps. Also MinAtar's dense layer alone at
 //! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
-//! by skipping zero terms.
+//! by skipping zero terms. And the device's thread team alone (`pool`, batch column 0): one call
+//! of a 20-us part per thread, back to back and after the workers have gone to sleep.
 //!
 //! ```sh
 //! cargo run --release --example bench_networks -- --threads 1,2
@@ -156,6 +157,49 @@ fn bench_sparse(threads: usize) -> conv_runtime::Result<Vec<Row>> {
     Ok(rows)
 }
 
+/// The device's thread team alone: a call of one 20-us part per thread (spinning, no memory),
+/// back to back (`busy`) and after 1 ms without calls (`after_idle`: the workers have
+/// gone to sleep, and waking one costs a virtual machine far more than the part).
+fn bench_pool(threads: usize) -> conv_runtime::Result<Vec<Row>> {
+    let cpu = Cpu::with_threads(threads)?;
+    let pool = cpu.__pool();
+    let part = std::time::Duration::from_micros(20);
+    let call = || {
+        pool.each(threads, threads * conv_runtime::MIN_PART_WORK, &|_| {
+            let start = Instant::now();
+            while start.elapsed() < part {
+                std::hint::spin_loop();
+            }
+        })
+    };
+    let mut rows = Vec::new();
+    for (op, idle) in [
+        ("busy", None),
+        ("after_idle", Some(std::time::Duration::from_millis(1))),
+    ] {
+        let samples: Vec<f64> = (0..1000)
+            .map(|_| {
+                if let Some(idle) = idle {
+                    std::thread::sleep(idle);
+                }
+                let start = Instant::now();
+                call();
+                start.elapsed().as_secs_f64() * 1e6
+            })
+            .collect();
+        let (us, spread) = groups(&samples);
+        rows.push(Row {
+            network: "pool",
+            op,
+            batch: 0,
+            threads,
+            us,
+            spread,
+        });
+    }
+    Ok(rows)
+}
+
 /// Median and spread ((max - min) / median) of 5 repetitions of about 0.3 s each, in
 /// microseconds per call, after a warm-up.
 fn time(mut f: impl FnMut() -> conv_runtime::Result<()>) -> conv_runtime::Result<(f64, f64)> {
@@ -286,6 +330,9 @@ fn run(threads: &[usize], filter: Option<&str>) -> conv_runtime::Result<Vec<Row>
                 "impala",
                 t
             ));
+        }
+        if wanted("pool") {
+            rows.extend(bench_pool(t)?);
         }
         if wanted("fc1024") {
             rows.extend(bench_sparse(t)?);

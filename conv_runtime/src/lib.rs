@@ -47,7 +47,7 @@ mod tensor;
 pub mod winograd;
 
 pub use conv_macros::{conv2d, network};
-pub use cpu::{Cpu, Mode};
+pub use cpu::{Cpu, Mode, MIN_PART_WORK};
 pub use element::{Element, Real};
 pub use error::{Error, Result};
 pub use half::{bf16, f16};

@@ -1,11 +1,15 @@
 //! The worker threads of a `Cpu` device: a fixed team that runs one call's parts at a time.
 //!
-//! A call publishes its job and wakes the team, the calling thread takes part 0, and the call
-//! returns when every worker is done. Between calls the workers spin for a while
-//! ([`SPIN`]) before they sleep: the operations of a training step follow each other within
-//! microseconds, and waking a sleeping thread costs tens of microseconds on the virtual
-//! machines RL runs on — more than a small layer's whole call (the README has the measurement
-//! that chose this over rayon's pool). Sleeping workers cost nothing.
+//! A call publishes its job and wakes the team; every thread of the call, the caller's
+//! included, first claims its own part (part `w` for worker `w`, so a part's data stays in one
+//! core's caches from call to call), then any part nobody has claimed yet, and the call returns
+//! when every claimed part is done. A worker that is late — asleep, or its core taken by
+//! another process or by the hypervisor — costs the call nothing beyond its part's work, which
+//! the others take over; a part's result never depends on which thread runs it. Between calls
+//! the workers spin for a while ([`SPIN`]) before they sleep: the operations of a training step
+//! follow each other within microseconds, and waking a sleeping thread costs tens of
+//! microseconds on the virtual machines RL runs on — more than a small layer's whole call (the
+//! README has the measurement that chose this over rayon's pool). Sleeping workers cost nothing.
 
 use std::any::Any;
 use std::cell::UnsafeCell;
@@ -18,24 +22,36 @@ use std::time::{Duration, Instant};
 /// How long an idle worker spins for the next call before it sleeps.
 pub const SPIN: Duration = Duration::from_micros(200);
 
-/// A job: `f(worker)` for the workers of a call (the caller runs worker 0).
+/// A job: `f(part)` for the parts `0..count` of a call.
 #[derive(Clone, Copy)]
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
+    count: usize,
 }
 
+/// `Shared::gate` packs the current call (above [`CALL_SHIFT`]), whether it is closed, and the
+/// workers inside it.
+const CALL_SHIFT: u32 = 16;
+const CLOSED: u64 = 1 << 15;
+const INSIDE: u64 = CLOSED - 1;
+
 struct Shared {
-    /// Per worker (index 0 unused): the last call it is part of, bumped by the caller (Release
-    /// after the job is written) for the workers of the call only.
+    /// Per worker (index 0 unused): the last call it is asked to, bumped by the caller (after
+    /// the call is open) for the workers of the call only.
     epochs: Vec<AtomicU64>,
     /// The calls so far (written by the caller holding `Team::calls`).
     calls: AtomicU64,
-    /// The current call's job. Written by the caller before it bumps the workers' epochs, read
-    /// by those workers after they see their new epoch, valid until `remaining` is 0 again.
+    /// The current call, whether it is closed, and how many workers are inside it. A worker
+    /// enters only an open call (the increment's Acquire pairs with the opening Release, so it
+    /// sees the job); the caller closes the call once nobody is inside, after which nobody
+    /// enters, so the job can be replaced and the closure go away.
+    gate: AtomicU64,
+    /// Per part: the last call that claimed it (each part runs once per call).
+    claims: Vec<AtomicU64>,
+    /// The current call's job. Written by the caller before it opens the call, read by workers
+    /// inside it.
     job: UnsafeCell<Job>,
-    /// Workers of the current call not done yet.
-    remaining: AtomicUsize,
-    /// The first panic of a worker in the current call.
+    /// The first panic of a part in the current call.
     panic: Mutex<Option<Box<dyn Any + Send>>>,
     shutdown: AtomicBool,
     /// Sleeping workers wait here.
@@ -44,12 +60,37 @@ struct Shared {
     sleepers: AtomicUsize,
 }
 
-// SAFETY: `job` is written only by the caller holding `Team::calls`, while no worker reads it
-// (every worker of the previous call is done, and the workers of this one do not see their new
-// epoch yet), and read only by a call's workers after their epoch's Acquire, so reads and the
-// write never overlap; the pointer is to a `Sync` closure that outlives the call.
+// SAFETY: `job` is written only by the caller holding `Team::calls` while the previous call is
+// closed (no worker inside, none can enter), and read only by workers inside the open call
+// (after the gate's Acquire), so reads and the write never overlap; the pointer is to a `Sync`
+// closure that outlives the call, which is not closed before every worker inside has left.
 unsafe impl Sync for Shared {}
 unsafe impl Send for Shared {}
+
+impl Shared {
+    /// Claims `part` for `call`: true for the first thread that asks.
+    fn claim(&self, part: usize, call: u64) -> bool {
+        let slot = &self.claims[part];
+        slot.load(Ordering::Relaxed) != call && slot.swap(call, Ordering::Relaxed) != call
+    }
+
+    /// Runs part `own`, then every part of the call nobody has claimed yet; a panic is kept
+    /// for the caller.
+    fn run_parts(&self, job: Job, call: u64, own: usize) {
+        // SAFETY: the closure outlives the call (see `Shared`).
+        let f = unsafe { &*job.f };
+        let parts = (own..job.count).chain(0..own);
+        for part in parts {
+            if !self.claim(part, call) {
+                continue;
+            }
+            if let Err(payload) = panic::catch_unwind(AssertUnwindSafe(|| f(part))) {
+                let mut first = self.panic.lock().unwrap_or_else(|p| p.into_inner());
+                first.get_or_insert(payload);
+            }
+        }
+    }
+}
 
 /// `threads - 1` worker threads and the right to call them.
 pub struct Team {
@@ -62,11 +103,24 @@ pub struct Team {
 impl Team {
     /// A team of `workers` threads (besides the callers').
     pub fn new(workers: usize) -> std::io::Result<Self> {
+        if workers as u64 >= INSIDE {
+            return Err(std::io::Error::new(
+                std::io::ErrorKind::InvalidInput,
+                format!(
+                    "{workers} worker threads: a team holds at most {}",
+                    INSIDE - 1
+                ),
+            ));
+        }
         let shared = Arc::new(Shared {
             epochs: (0..=workers).map(|_| AtomicU64::new(0)).collect(),
             calls: AtomicU64::new(0),
-            job: UnsafeCell::new(Job { f: &|_| {} }),
-            remaining: AtomicUsize::new(0),
+            gate: AtomicU64::new(CLOSED),
+            claims: (0..=workers).map(|_| AtomicU64::new(0)).collect(),
+            job: UnsafeCell::new(Job {
+                f: &|_| {},
+                count: 0,
+            }),
             panic: Mutex::new(None),
             shutdown: AtomicBool::new(false),
             sleep: Mutex::new(()),
@@ -93,11 +147,11 @@ impl Team {
         self.handles.len() + 1
     }
 
-    /// `f(worker)` for `worker` in `0..count` (at most [`Team::threads`]): 0 on the calling
-    /// thread, the others on the team, returning when all are done. A panic in any is resumed
-    /// here. A call made while the team is busy (from a worker, or from another thread) runs
-    /// every part on its own thread instead: the same results, as partitions never depend on
-    /// who runs them.
+    /// `f(part)` for `part` in `0..count` (at most [`Team::threads`]), each once, on the
+    /// calling thread and the team (part `w` on worker `w` unless it is late), returning when
+    /// all are done. A panic in any is resumed here. A call made while the team is busy (from
+    /// a worker, or from another thread) runs every part on its own thread instead: the same
+    /// results, as partitions never depend on who runs them.
     pub fn run(&self, count: usize, f: &(dyn Fn(usize) + Sync)) {
         let count = count.min(self.threads());
         let guard = match self.calls.try_lock() {
@@ -113,17 +167,18 @@ impl Team {
             return;
         }
         let shared = &*self.shared;
-        // SAFETY: the job's lifetime is erased; it is read only while `remaining` is not 0,
-        // and this call does not return before it is 0 again (see `Shared`).
+        // SAFETY: the job's lifetime is erased; it is read only inside the call, and this call
+        // does not return before it is closed (see `Shared`).
         let f_static: *const (dyn Fn(usize) + Sync) =
             unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), _>(f) };
-        // SAFETY: no worker reads the job now (the previous call is over, see `Shared`).
+        let job = Job { f: f_static, count };
+        // SAFETY: the previous call is closed: no worker reads the job (see `Shared`).
         unsafe {
-            *shared.job.get() = Job { f: f_static };
+            *shared.job.get() = job;
         }
-        shared.remaining.store(count - 1, Ordering::Relaxed);
         let call = shared.calls.load(Ordering::Relaxed) + 1;
         shared.calls.store(call, Ordering::Relaxed);
+        shared.gate.store(call << CALL_SHIFT, Ordering::Release);
         // SeqCst here and in a worker going to sleep (its count of sleepers, then its epoch): one
         // of the two sees the other's store, so no call is missed by a sleeping worker.
         for epoch in &shared.epochs[1..count] {
@@ -133,9 +188,25 @@ impl Team {
             let _lock = shared.sleep.lock().unwrap_or_else(|p| p.into_inner());
             shared.wake.notify_all();
         }
-        let own = panic::catch_unwind(AssertUnwindSafe(|| f(0)));
+        shared.run_parts(job, call, 0);
+        // Every part is claimed now; wait for the workers still running theirs, and close the
+        // call so that no late one enters it.
         let mut spins = 0u32;
-        while shared.remaining.load(Ordering::Acquire) != 0 {
+        loop {
+            let gate = shared.gate.load(Ordering::Acquire);
+            if gate & INSIDE == 0
+                && shared
+                    .gate
+                    .compare_exchange_weak(
+                        gate,
+                        gate | CLOSED,
+                        Ordering::Acquire,
+                        Ordering::Relaxed,
+                    )
+                    .is_ok()
+            {
+                break;
+            }
             spins = spins.wrapping_add(1);
             if spins.is_multiple_of(1024) {
                 std::thread::yield_now();
@@ -144,15 +215,12 @@ impl Team {
             }
         }
         drop(guard);
-        if let Err(payload) = own {
-            panic::resume_unwind(payload);
-        }
-        let worker_panic = shared
+        let panic = shared
             .panic
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
-        if let Some(payload) = worker_panic {
+        if let Some(payload) = panic {
             panic::resume_unwind(payload);
         }
     }
@@ -171,7 +239,27 @@ impl Drop for Team {
     }
 }
 
-/// A worker's life: wait for a call (spinning, then sleeping), run its part, repeat.
+/// Enters `call` if it is still open: true if this worker is now inside it.
+fn enter(shared: &Shared, call: u64) -> bool {
+    let mut gate = shared.gate.load(Ordering::Relaxed);
+    loop {
+        if gate >> CALL_SHIFT != call || gate & CLOSED != 0 {
+            return false;
+        }
+        match shared.gate.compare_exchange_weak(
+            gate,
+            gate + 1,
+            Ordering::Acquire,
+            Ordering::Relaxed,
+        ) {
+            Ok(_) => return true,
+            Err(now) => gate = now,
+        }
+    }
+}
+
+/// A worker's life: wait for a call (spinning, then sleeping), run its part and any left,
+/// repeat.
 fn work(shared: &Shared, index: usize) {
     let mut seen = 0u64;
     loop {
@@ -202,15 +290,14 @@ fn work(shared: &Shared, index: usize) {
             shared.sleepers.fetch_sub(1, Ordering::AcqRel);
         };
         seen = epoch;
-        // SAFETY: read after the epoch's Acquire; valid until this worker's decrement below.
-        let job = unsafe { *shared.job.get() };
-        // SAFETY: the caller waits for this worker before the closure goes away.
-        let f = unsafe { &*job.f };
-        if let Err(payload) = panic::catch_unwind(AssertUnwindSafe(|| f(index))) {
-            let mut first = shared.panic.lock().unwrap_or_else(|p| p.into_inner());
-            first.get_or_insert(payload);
+        if !enter(shared, epoch) {
+            // The others did this call's parts already.
+            continue;
         }
-        shared.remaining.fetch_sub(1, Ordering::Release);
+        // SAFETY: read inside the open call (see `Shared`).
+        let job = unsafe { *shared.job.get() };
+        shared.run_parts(job, epoch, index);
+        shared.gate.fetch_sub(1, Ordering::Release);
     }
 }
 
@@ -260,6 +347,41 @@ mod tests {
             count.fetch_add(1, Ordering::Relaxed);
         });
         assert_eq!(count.load(Ordering::Relaxed), 3);
+    }
+
+    #[test]
+    fn the_caller_takes_over_the_part_of_a_late_worker() {
+        // A sleeping worker is late by a wake-up (the caller even holds the lock it must take
+        // on waking while it notifies); the caller, with nothing to do in part 0, takes part 1.
+        let team = Team::new(1).expect("threads");
+        let caller = std::thread::current().id();
+        let mut taken = 0;
+        for _ in 0..20 {
+            std::thread::sleep(SPIN * 5);
+            let by_caller = AtomicUsize::new(0);
+            let runs = AtomicUsize::new(0);
+            team.run(2, &|part| {
+                runs.fetch_add(1, Ordering::Relaxed);
+                if part == 1 && std::thread::current().id() == caller {
+                    by_caller.fetch_add(1, Ordering::Relaxed);
+                }
+            });
+            assert_eq!(runs.load(Ordering::Relaxed), 2);
+            taken += by_caller.load(Ordering::Relaxed);
+        }
+        assert!(
+            taken > 0,
+            "the caller waited for a sleeping worker in 20 calls out of 20"
+        );
+    }
+
+    #[test]
+    fn a_finished_call_admits_no_late_worker() {
+        let team = Team::new(2).expect("threads");
+        team.run(3, &|_| {});
+        let call = team.shared.calls.load(Ordering::Relaxed);
+        assert!(!enter(&team.shared, call));
+        assert!(!enter(&team.shared, call + 1));
     }
 
     #[test]
