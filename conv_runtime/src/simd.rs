@@ -59,6 +59,17 @@ pub trait Simd: Copy {
         total
     }
 
+    /// `out[i] = v[i].sum()` for every `i`: the same sums, bit for bit, computed side by side
+    /// where the implementation can (a register tile's dot products end here).
+    /// # Safety
+    /// As [`Simd::zero`]; `out` is at least as long as `v`.
+    #[inline(always)]
+    unsafe fn sums(v: &[Self], out: &mut [Self::Elem]) {
+        for (o, x) in out.iter_mut().zip(v) {
+            *o = x.sum();
+        }
+    }
+
     /// The first `n` lanes of `a`, the rest of `b`.
     /// # Safety
     /// As [`Simd::zero`]; `n <= LANES`.
@@ -216,7 +227,8 @@ mod x86 {
     macro_rules! avx2 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
          $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
-     $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $sum:ident, $masks:ident) => {
+     $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $sum:ident, $sums:ident,
+     $masks:ident) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -267,6 +279,10 @@ mod x86 {
                 unsafe fn sum(self) -> $elem {
                     $sum(self.0)
                 }
+                #[inline(always)]
+                unsafe fn sums(v: &[Self], out: &mut [$elem]) {
+                    $sums(v, out)
+                }
                 // A blend, not masked moves: masked stores are microcoded on AMD CPUs.
                 #[inline(always)]
                 unsafe fn blend_first(a: Self, b: Self, n: usize) -> Self {
@@ -298,6 +314,70 @@ mod x86 {
         _mm_cvtsd_f64(_mm_add_sd(s, _mm_unpackhi_pd(s, s)))
     }
 
+    /// [`sum_f32`] of up to eight vectors at once, transposed: the same additions in the same
+    /// tree (halves, then lanes two apart, then neighbours), so the same bits.
+    #[inline(always)]
+    unsafe fn sums_f32(v: &[Avx2F32], out: &mut [f32]) {
+        for (v, out) in v.chunks(8).zip(out.chunks_mut(8)) {
+            let mut g = [_mm256_setzero_ps(); 8];
+            for (g, x) in g.iter_mut().zip(v) {
+                *g = x.0;
+            }
+            // u[i]: vector i's halves added (lanes 0-3), vector i + 4's (lanes 4-7).
+            let mut u = [_mm256_setzero_ps(); 4];
+            for (i, u) in u.iter_mut().enumerate() {
+                *u = _mm256_add_ps(
+                    _mm256_permute2f128_ps::<0x20>(g[i], g[i + 4]),
+                    _mm256_permute2f128_ps::<0x31>(g[i], g[i + 4]),
+                );
+            }
+            // Lanes two apart: [0 0 1 1 | 4 4 5 5] and [2 2 3 3 | 6 6 7 7], then neighbours.
+            let sums = _mm256_hadd_ps(two_apart(u[0], u[1]), two_apart(u[2], u[3]));
+            let mut t = [0.0f32; 8];
+            _mm256_storeu_ps(t.as_mut_ptr(), sums);
+            let n = out.len().min(v.len());
+            out[..n].copy_from_slice(&t[..n]);
+        }
+    }
+
+    /// Lanes two apart added, of `a`'s two halves and `b`'s (a helper function, not a closure:
+    /// closures do not take on the caller's target features, and would not inline).
+    #[inline(always)]
+    unsafe fn two_apart(a: __m256, b: __m256) -> __m256 {
+        let (a, b) = (_mm256_castps_pd(a), _mm256_castps_pd(b));
+        _mm256_add_ps(
+            _mm256_castpd_ps(_mm256_unpacklo_pd(a, b)),
+            _mm256_castpd_ps(_mm256_unpackhi_pd(a, b)),
+        )
+    }
+
+    /// [`sum_f64`] of up to four vectors at once, transposed, bit for bit (see [`sums_f32`]).
+    #[inline(always)]
+    unsafe fn sums_f64(v: &[Avx2F64], out: &mut [f64]) {
+        for (v, out) in v.chunks(4).zip(out.chunks_mut(4)) {
+            let mut g = [_mm256_setzero_pd(); 4];
+            for (g, x) in g.iter_mut().zip(v) {
+                *g = x.0;
+            }
+            // [0 0 | 2 2] and [1 1 | 3 3], halves added, then neighbours.
+            let (a, b) = (
+                _mm256_add_pd(
+                    _mm256_permute2f128_pd::<0x20>(g[0], g[2]),
+                    _mm256_permute2f128_pd::<0x31>(g[0], g[2]),
+                ),
+                _mm256_add_pd(
+                    _mm256_permute2f128_pd::<0x20>(g[1], g[3]),
+                    _mm256_permute2f128_pd::<0x31>(g[1], g[3]),
+                ),
+            );
+            let sums = _mm256_hadd_pd(a, b);
+            let mut t = [0.0f64; 4];
+            _mm256_storeu_pd(t.as_mut_ptr(), sums);
+            let n = out.len().min(v.len());
+            out[..n].copy_from_slice(&t[..n]);
+        }
+    }
+
     /// `LANES` all-ones lanes then `LANES` zero lanes: a window of `LANES` starting at
     /// `LANES - n` enables the first `n`. Aligned so a window never splits a cache line badly.
     #[repr(align(64))]
@@ -325,6 +405,7 @@ mod x86 {
         _mm256_blendv_ps,
         _mm256_castsi256_ps,
         sum_f32,
+        sums_f32,
         MASKS_32
     );
     avx2!(
@@ -346,6 +427,56 @@ mod x86 {
         _mm256_blendv_pd,
         _mm256_castsi256_pd,
         sum_f64,
+        sums_f64,
         MASKS_64
     );
+}
+
+#[cfg(all(test, target_arch = "x86_64"))]
+mod tests {
+    use super::*;
+
+    /// Values of many magnitudes and both signs, so that any other order of additions shows.
+    fn values(n: usize, seed: u64) -> Vec<f64> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x
+                    .wrapping_mul(6364136223846793005)
+                    .wrapping_add(1442695040888963407);
+                let mantissa = (x >> 40) as f64 / (1u64 << 24) as f64 - 0.5;
+                mantissa * 2f64.powi(((x >> 8) % 40) as i32 - 20)
+            })
+            .collect()
+    }
+
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn check<S: Simd>(cast: impl Fn(f64) -> S::Elem) {
+        for count in 1..=19 {
+            let data: Vec<S::Elem> = values(count * S::LANES, count as u64)
+                .into_iter()
+                .map(&cast)
+                .collect();
+            let v: Vec<S> = (0..count)
+                .map(|i| S::load(data[i * S::LANES..].as_ptr()))
+                .collect();
+            let mut side_by_side = vec![cast(0.0); count];
+            S::sums(&v, &mut side_by_side);
+            for (i, x) in v.iter().enumerate() {
+                assert!(side_by_side[i] == x.sum(), "sum {i} of {count}");
+            }
+        }
+    }
+
+    #[test]
+    fn sums_side_by_side_are_the_same_bits_as_one_by_one() {
+        if !detected() {
+            return;
+        }
+        // SAFETY: the CPU has AVX2 and FMA (checked).
+        unsafe {
+            check::<Avx2F32>(|x| x as f32);
+            check::<Avx2F64>(|x| x);
+        }
+    }
 }

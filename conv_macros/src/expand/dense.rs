@@ -82,7 +82,16 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     }
                 }
             }
-            ::core::array::from_fn(|r| ::core::array::from_fn(|c| acc[r][c].sum()))
+            // Summed side by side (the same bits as one by one), and without closures: they
+            // would not take on the kernel's target features.
+            let mut dots = [[0.0 as __A; __C]; __R];
+            // SAFETY: arrays of arrays are contiguous: `R * C` vectors and as many values.
+            let (acc, out) = (
+                ::core::slice::from_raw_parts(acc.as_ptr() as *const __S, __R * __C),
+                ::core::slice::from_raw_parts_mut(dots.as_mut_ptr() as *mut __A, __R * __C),
+            );
+            __S::sums(acc, out);
+            dots
         }
 
         /// `put(r, c, dot)` for a tile of [`__dense_dots`].
