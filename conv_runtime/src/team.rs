@@ -4,12 +4,14 @@
 //! included, first claims its own part (part `w` for worker `w`, so a part's data stays in one
 //! core's caches from call to call), then any part nobody has claimed yet, and the call returns
 //! when every claimed part is done. A worker that is late — asleep, or its core taken by
-//! another process or by the hypervisor — costs the call nothing beyond its part's work, which
-//! the others take over; a part's result never depends on which thread runs it. Between calls
-//! the workers spin for a while ([`SPIN`]) before they sleep: the operations of a training step
-//! follow each other within microseconds, and waking a sleeping thread costs tens of
-//! microseconds on the virtual machines RL runs on — more than a small layer's whole call (the
-//! README has the measurement that chose this over rayon's pool). Sleeping workers cost nothing.
+//! another process or by the hypervisor — before it enters a call costs the call nothing beyond
+//! its part's work, which the others take over (one already inside, preempted, is waited for);
+//! a part's result never depends on which thread runs it. Between calls the workers spin for a
+//! while ([`SPIN`]) before they sleep: the operations of a training step follow each other
+//! within microseconds, and waking a sleeping thread costs tens to hundreds of microseconds on
+//! the virtual machines RL runs on (about 260 on the development machine) — more than a small
+//! layer's whole call (the README has the measurement that chose this over rayon's pool).
+//! Sleeping workers cost nothing.
 
 use std::any::Any;
 use std::cell::UnsafeCell;
@@ -149,9 +151,9 @@ impl Team {
 
     /// `f(part)` for `part` in `0..count` (at most [`Team::threads`]), each once, on the
     /// calling thread and the team (part `w` on worker `w` unless it is late), returning when
-    /// all are done. A panic in any is resumed here. A call made while the team is busy (from
-    /// a worker, or from another thread) runs every part on its own thread instead: the same
-    /// results, as partitions never depend on who runs them.
+    /// all are done. The first panic of a part is resumed here. A call made while the team is
+    /// busy (from a worker, or from another thread) runs every part on its own thread instead:
+    /// the same results, as partitions never depend on who runs them.
     pub fn run(&self, count: usize, f: &(dyn Fn(usize) + Sync)) {
         let count = count.min(self.threads());
         let guard = match self.calls.try_lock() {
@@ -214,12 +216,13 @@ impl Team {
                 std::hint::spin_loop();
             }
         }
-        drop(guard);
+        // Taken before the next call may start, so that its panics stay its own.
         let panic = shared
             .panic
             .lock()
             .unwrap_or_else(|p| p.into_inner())
             .take();
+        drop(guard);
         if let Some(payload) = panic {
             panic::resume_unwind(payload);
         }
@@ -291,7 +294,7 @@ fn work(shared: &Shared, index: usize) {
         };
         seen = epoch;
         if !enter(shared, epoch) {
-            // The others did this call's parts already.
+            // The call is over (woken too late, or for an older call): its parts are done.
             continue;
         }
         // SAFETY: read inside the open call (see `Shared`).
