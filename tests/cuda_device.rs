@@ -756,3 +756,104 @@ network_equivalence!(network_repeated_blocks, f32, [6, 6, 4], [1, 1, 3], [
     flat: Flatten,
     q: Dense { out_features: 3 },
 ]);
+
+/// Max-pooling's rules where windows tie, hold NaN or are all -inf (PyTorch's: the first
+/// maximum in row-major order wins, NaN wins, an all -inf window's first position wins): the
+/// GPU's outputs and input gradient equal the CPU's bit for bit.
+mod pool_edge_cases {
+    use crate::gpu;
+    use conv_runtime::cuda::CudaTensor;
+    use conv_runtime::prelude::*;
+
+    conv_runtime::network! {
+        pub struct Pool {
+            input: [5, 5, 9],
+            batch: 2,
+            layers: [p: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
+        }
+    }
+
+    fn same_bits(what: &str, cpu: &[f32], gpu: &[f32]) {
+        for (i, (c, g)) in cpu.iter().zip(gpu).enumerate() {
+            assert!(
+                c.to_bits() == g.to_bits() || (c.is_nan() && g.is_nan()),
+                "{what}: element {i} is {g} on the GPU, {c} on the CPU"
+            );
+        }
+    }
+
+    #[test]
+    fn ties_nan_and_negative_infinity_as_on_the_cpu() {
+        let Some(mut cuda) = gpu() else { return };
+        // Values from {0, 1, 2} so that windows tie, a few NaN, and one channel of the second
+        // image all -inf.
+        let mut data = crate::common::SplitMix64::new(11);
+        let mut x = PoolInput::<2>::zeros();
+        for (i, v) in x.as_mut_slice().iter_mut().enumerate() {
+            let r = data.next_u64() % 64;
+            *v = if i / 225 == 1 && i % 9 == 4 {
+                f32::NEG_INFINITY
+            } else if r < 3 {
+                f32::NAN
+            } else {
+                (r % 3) as f32
+            };
+        }
+        let mut d_output = PoolOutput::<2>::zeros();
+        for (o, v) in d_output.as_mut_slice().iter_mut().enumerate() {
+            *v = (o + 1) as f32;
+        }
+        let mut cpu = Cpu::default();
+        let mut net = Pool::new(&mut Rng::seed_from_u64(1));
+        let mut y_cpu = PoolOutput::<2>::zeros();
+        net.evaluate(&mut cpu, &x, &mut y_cpu).unwrap();
+        let mut s_cpu = PoolState::new();
+        net.forward(&mut cpu, &x, &mut s_cpu, Mode::Train).unwrap();
+        let (mut dx_cpu, mut g_cpu) = (PoolInput::<2>::zeros(), PoolGrads::zeros());
+        net.backward_full(
+            &mut cpu,
+            &s_cpu,
+            &x,
+            &d_output,
+            &mut dx_cpu,
+            &mut g_cpu,
+            Mode::Train,
+        )
+        .unwrap();
+
+        let mut on_gpu = PoolCuda::upload(&cuda, &net).unwrap();
+        let x_gpu = CudaTensor::upload(&cuda, &x).unwrap();
+        let dy_gpu = CudaTensor::upload(&cuda, &d_output).unwrap();
+        let mut y_gpu = CudaTensor::<f32, 2, 3, 3, 9>::zeros(&cuda).unwrap();
+        on_gpu.evaluate(&mut cuda, &x_gpu, &mut y_gpu).unwrap();
+        same_bits(
+            "evaluate",
+            y_cpu.as_slice(),
+            y_gpu.download(&cuda).unwrap().as_slice(),
+        );
+        let mut s_gpu = PoolCudaState::new(&cuda).unwrap();
+        on_gpu
+            .forward(&mut cuda, &x_gpu, &mut s_gpu, Mode::Train)
+            .unwrap();
+        let y = s_gpu.output().download(&cuda).unwrap();
+        same_bits("forward", s_cpu.output().as_slice(), y.as_slice());
+        let mut dx_gpu = CudaTensor::zeros(&cuda).unwrap();
+        let mut g_gpu = PoolCudaGrads::zeros(&cuda).unwrap();
+        on_gpu
+            .backward_full(
+                &mut cuda,
+                &s_gpu,
+                &x_gpu,
+                &dy_gpu,
+                &mut dx_gpu,
+                &mut g_gpu,
+                Mode::Train,
+            )
+            .unwrap();
+        same_bits(
+            "d_input",
+            dx_cpu.as_slice(),
+            dx_gpu.download(&cuda).unwrap().as_slice(),
+        );
+    }
+}

@@ -354,6 +354,104 @@ conv_runtime::network! {
     }
 }
 
+conv_runtime::network! {
+    /// Max-pooling alone (padded, overlapping windows; nine channels: a whole vector and one
+    /// lane), for PyTorch's rules on ties, NaN and all -inf windows.
+    pub struct PoolOnly {
+        input: [5, 5, 9],
+        batch: 2,
+        layers: [p: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
+    }
+}
+
+#[test]
+fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
+    let ([h, w, c], (k, s, p), batch) = ([5, 5, 9], (3, 2, 1), 2);
+    let (oh, ow) = (3, 3);
+    // Values from {0, 1, 2} so that windows tie, a few NaN, and one channel of the second
+    // image all -inf.
+    let mut rng = SplitMix64::new(11);
+    let mut x = PoolOnlyInput::<2>::zeros();
+    for (i, v) in x.as_mut_slice().iter_mut().enumerate() {
+        let (b, ch) = (i / (h * w * c), i % c);
+        let r = rng.next_u64() % 64;
+        *v = if b == 1 && ch == 4 {
+            f32::NEG_INFINITY
+        } else if r < 3 {
+            f32::NAN
+        } else {
+            (r % 3) as f32
+        };
+    }
+    // PyTorch's rule: the window's positions inside the image in row-major order, the first
+    // one the candidate, a later one taking over when greater, or NaN where the candidate is
+    // not.
+    let xs = x.as_slice();
+    let mut expected = vec![0.0f32; batch * oh * ow * c];
+    let mut winner = vec![0usize; expected.len()];
+    for b in 0..batch {
+        for (i, j, ch) in map_positions(oh, ow, c) {
+            let mut at = None::<usize>;
+            for di in 0..k {
+                for dj in 0..k {
+                    let (r, q) = ((i * s + di) as isize - p, (j * s + dj) as isize - p);
+                    if r < 0 || q < 0 || r >= h as isize || q >= w as isize {
+                        continue;
+                    }
+                    let idx = ((b * h + r as usize) * w + q as usize) * c + ch;
+                    at = match at {
+                        Some(a) if !(xs[idx] > xs[a] || (xs[idx].is_nan() && !xs[a].is_nan())) => {
+                            Some(a)
+                        }
+                        _ => Some(idx),
+                    };
+                }
+            }
+            let o = ((b * oh + i) * ow + j) * c + ch;
+            let at = at.unwrap();
+            expected[o] = xs[at];
+            winner[o] = at;
+        }
+    }
+    let same = |what: &str, got: &[f32]| {
+        for (o, (g, e)) in got.iter().zip(&expected).enumerate() {
+            assert!(
+                g.to_bits() == e.to_bits() || (g.is_nan() && e.is_nan()),
+                "{what}: output {o} is {g}, expected {e}"
+            );
+        }
+    };
+    let mut net = PoolOnly::new(&mut Rng::seed_from_u64(1));
+    let mut cpu = common::cpu();
+    let mut y = PoolOnlyOutput::<2>::zeros();
+    net.evaluate(&mut cpu, &x, &mut y).unwrap();
+    same("evaluate", y.as_slice());
+    let mut state = PoolOnlyState::new();
+    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+    same("forward", state.output().as_slice());
+    // Each output's gradient goes to its winner: distinct integers, so the sums are exact.
+    let mut dy = PoolOnlyOutput::<2>::zeros();
+    for (o, v) in dy.as_mut_slice().iter_mut().enumerate() {
+        *v = (o + 1) as f32;
+    }
+    let mut dx_expected = vec![0.0f32; xs.len()];
+    for (o, &at) in winner.iter().enumerate() {
+        dx_expected[at] += dy.as_slice()[o];
+    }
+    let mut grads = PoolOnlyGrads::zeros();
+    let mut dx = PoolOnlyInput::<2>::zeros();
+    net.backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train)
+        .unwrap();
+    for (i, (g, e)) in dx.as_slice().iter().zip(&dx_expected).enumerate() {
+        assert_eq!(g.to_bits(), e.to_bits(), "d_input {i} is {g}, expected {e}");
+    }
+}
+
+/// `(i, j, ch)` over an `oh x ow x c` map, row-major.
+fn map_positions(oh: usize, ow: usize, c: usize) -> impl Iterator<Item = (usize, usize, usize)> {
+    (0..oh).flat_map(move |i| (0..ow).flat_map(move |j| (0..c).map(move |ch| (i, j, ch))))
+}
+
 #[test]
 fn repeated_layers_keep_their_own_parameters() {
     let mut rng = SplitMix64::new(23);

@@ -12,7 +12,7 @@ static_assert(IC == OC, "pooling keeps the channels");
 
 // forward: y[b][oh][ow][c], over `count` = batch * OH * OW * OC items. Max: the largest value
 // of the window's positions inside the image (padding never wins); average: their sum over
-// KH * KW (the divisor counts padded positions, PyTorch's default).
+// KH * KW (the divisor counts padded positions, PyTorch's default). NaN wins a max window.
 extern "C" __global__ void __launch_bounds__(THREADS)
 pool_forward(long long count, const T* x, T* y) {
     for (long long i = first_element(); i < count; i += element_stride()) {
@@ -34,7 +34,8 @@ pool_forward(long long count, const T* x, T* y) {
                 if (ix < 0 || ix >= IW) continue;
                 const acc_t v = to_acc(x[((b * IH + iy) * IW + ix) * IC + c]);
 #if defined(NETWORK_MAX_POOL)
-                if (!found || v > value) value = v;
+                // NaN wins, as in PyTorch (and the CPU's generated code).
+                if (!found || v > value || (v != v && value == value)) value = v;
                 found = true;
 #else
                 value += v;
@@ -63,7 +64,7 @@ __device__ __forceinline__ bool first_maximum(const T* x, long long b, int c, in
             const int x_ = ow * SW - PW + kx;
             if (x_ < 0 || x_ >= IW) continue;
             const acc_t v = to_acc(x[((b * IH + y) * IW + x_) * IC + c]);
-            if (!found || v > best) {
+            if (!found || v > best || (v != v && best == best)) {
                 best = v;
                 best_y = y;
                 best_x = x_;

@@ -130,6 +130,95 @@ pub fn backward_on<A: Activation, T: Element>(
     });
 }
 
+/// `network!`'s `Activation` entry: `y = f(x)` in the element type (through the accumulator),
+/// on the pool's threads, vectorized as [`apply`].
+pub fn entry_forward_on<A: Activation, T: Element>(pool: &crate::cpu::Pool, x: &[T], y: &mut [T]) {
+    #[inline(always)]
+    fn run<A: Activation, T: Element>(x: &[T], y: &mut [T]) {
+        for (y, x) in y.iter_mut().zip(x) {
+            *y = T::from_acc(A::f(x.to_acc()));
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2<A: Activation, T: Element>(x: &[T], y: &mut [T]) {
+        run::<A, T>(x, y)
+    }
+    let ys = crate::cpu::Shared::new(y);
+    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let y = unsafe { ys.part(r.start, r.len()) };
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2::<A, T>(&x[r], y) };
+        }
+        run::<A, T>(&x[r], y)
+    });
+}
+
+/// The gradient of [`entry_forward_on`]: `dx = dy * f'(x)` (given `y = f(x)`), in the element
+/// type, on the pool's threads.
+pub fn entry_backward_on<A: Activation, T: Element>(
+    pool: &crate::cpu::Pool,
+    dy: &[T],
+    x: &[T],
+    y: &[T],
+    dx: &mut [T],
+) {
+    #[inline(always)]
+    fn run<A: Activation, T: Element>(dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
+        for (((dx, dy), x), y) in dx.iter_mut().zip(dy).zip(x).zip(y) {
+            *dx = T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()));
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2<A: Activation, T: Element>(dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
+        run::<A, T>(dy, x, y, dx)
+    }
+    let dxs = crate::cpu::Shared::new(dx);
+    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let dx = unsafe { dxs.part(r.start, r.len()) };
+        let (dy, x, y) = (&dy[r.clone()], &x[r.clone()], &y[r]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2::<A, T>(dy, x, y, dx) };
+        }
+        run::<A, T>(dy, x, y, dx)
+    });
+}
+
+/// A residual block's sum `y = a + b` (and, backward, its input gradient), in the element
+/// type through the accumulator, on the pool's threads.
+pub fn sum_on<T: Element>(pool: &crate::cpu::Pool, a: &[T], b: &[T], y: &mut [T]) {
+    #[inline(always)]
+    fn run<T: Element>(a: &[T], b: &[T], y: &mut [T]) {
+        for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
+            *y = T::from_acc(a.to_acc() + b.to_acc());
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2<T: Element>(a: &[T], b: &[T], y: &mut [T]) {
+        run::<T>(a, b, y)
+    }
+    let ys = crate::cpu::Shared::new(y);
+    pool.split(a.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let y = unsafe { ys.part(r.start, r.len()) };
+        let (a, b) = (&a[r.clone()], &b[r]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2::<T>(a, b, y) };
+        }
+        run::<T>(a, b, y)
+    });
+}
+
 fn c<R: Real>(x: f64) -> R {
     R::from_f64(x)
 }

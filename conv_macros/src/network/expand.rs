@@ -620,20 +620,35 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                 let rows = (if h0 < #ph { #ph - h0 } else { 0 })..(if h0 + #kh <= #ph + #ih { #kh } else { #ph + #ih - h0 });
                 let cols = (if w0 < #pw { #pw - w0 } else { 0 })..(if w0 + #kw <= #pw + #iw { #kw } else { #pw + #iw - w0 });
             };
-            match kind {
-                PoolKind::Max => quote! {
-                    /// Max-pooling of `B` images, the winners' input indices into `winners`
-                    /// (when not empty): padded positions never win, the first maximum in
-                    /// row-major window order does, and NaN wins as in PyTorch.
-                    pub fn #forward<const __B: usize>(
-                        pool: &#rt::Pool,
-                        x: &[#t],
-                        y: &mut [#t],
-                        winners: &mut [u32],
-                    ) {
-                        let keep = !winners.is_empty();
-                        let (ys, ws) = (#rt::Shared::new(y), #rt::Shared::new(winners));
-                        pool.split(__B * #oh, #ow * #kh * #kw * #c, &|range| {
+            // Each kernel's rows through `__rows`: compiled for AVX2 where the CPU has it, so
+            // that the channel loops (innermost, contiguous, branch-free) vectorize.
+            let rows_fn = |params: TokenStream, args: TokenStream, body: TokenStream| {
+                quote! {
+                    #[inline(always)]
+                    fn __rows_body<const __B: usize>(#params) {
+                        #body
+                    }
+                    #[cfg(target_arch = "x86_64")]
+                    #[target_feature(enable = "avx2,fma")]
+                    unsafe fn __rows_avx2<const __B: usize>(#params) {
+                        __rows_body::<__B>(#args)
+                    }
+                    fn __rows<const __B: usize>(#params) {
+                        #[cfg(target_arch = "x86_64")]
+                        if #rt::avx2_fma() {
+                            // SAFETY: the CPU has AVX2 and FMA.
+                            return unsafe { __rows_avx2::<__B>(#args) };
+                        }
+                        __rows_body::<__B>(#args)
+                    }
+                }
+            };
+            let (forward_rows, backward_rows) = match kind {
+                PoolKind::Max => (
+                    rows_fn(
+                        quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, keep: bool, range: ::core::ops::Range<usize>),
+                        quote!(x, ys, ws, keep, range),
+                        quote! {
                             for row in range {
                                 let (n, oh) = (row / #oh, row % #oh);
                                 // SAFETY: the worker's own output rows.
@@ -641,39 +656,39 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 let w = if keep { unsafe { ws.part(row * #ow * #c, #ow * #c) } } else { &mut [][..] };
                                 for ow in 0..#ow {
                                     #window
-                                    for ch in 0..#c {
-                                        let mut best = #a::NEG_INFINITY;
-                                        let mut at = 0usize;
-                                        for i in rows.clone() {
-                                            for j in cols.clone() {
-                                                let idx = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + ch;
-                                                let v = #to_acc(x[idx]);
-                                                if v > best || (v.is_nan() && !best.is_nan()) {
-                                                    best = v;
-                                                    at = idx;
-                                                }
+                                    // An all -inf window's winner is its first position, as
+                                    // in PyTorch.
+                                    let first = ((n * #ih + h0 + rows.start - #ph) * #iw + w0 + cols.start - #pw) * #c;
+                                    let mut best = [#a::NEG_INFINITY; #c];
+                                    let mut at: [u32; #c] = ::core::array::from_fn(|ch| (first + ch) as u32);
+                                    for i in rows.clone() {
+                                        for j in cols.clone() {
+                                            let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c;
+                                            let xs = &x[px..px + #c];
+                                            for ch in 0..#c {
+                                                let (v, b) = (#to_acc(xs[ch]), best[ch]);
+                                                // `v > b`, or `v` NaN where `b` is not.
+                                                let take = !(v <= b) & !b.is_nan();
+                                                best[ch] = if take { v } else { b };
+                                                at[ch] = if take { (px + ch) as u32 } else { at[ch] };
                                             }
                                         }
-                                        y[ow * #c + ch] = #from_acc(best);
-                                        if keep {
-                                            w[ow * #c + ch] = at as u32;
-                                        }
+                                    }
+                                    let ys = &mut y[ow * #c..(ow + 1) * #c];
+                                    for ch in 0..#c {
+                                        ys[ch] = #from_acc(best[ch]);
+                                    }
+                                    if keep {
+                                        w[ow * #c..(ow + 1) * #c].copy_from_slice(&at);
                                     }
                                 }
                             }
-                        });
-                    }
-
-                    /// `dx` = the gradient of max-pooling, gathered: each input sums, in output
-                    /// order, the gradients of the outputs it won.
-                    pub fn #backward<const __B: usize>(
-                        pool: &#rt::Pool,
-                        dy: &[#t],
-                        winners: &[u32],
-                        dx: &mut [#t],
-                    ) {
-                        let dxs = #rt::Shared::new(dx);
-                        pool.split(__B * #ih, #iw * #c * 4, &|range| {
+                        },
+                    ),
+                    rows_fn(
+                        quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
+                        quote!(dy, winners, dxs, range),
+                        quote! {
                             for row in range {
                                 let (n, h) = (row / #ih, row % #ih);
                                 // SAFETY: the worker's own input rows.
@@ -681,37 +696,36 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 #covering
                                 for w in 0usize..#iw {
                                     #covering_cols
-                                    for ch in 0..#c {
-                                        let me = (row * #iw + w) * #c + ch;
-                                        let mut sum = 0.0 as #a;
-                                        for oh in ohs.clone() {
-                                            for ow in ows.clone() {
-                                                let k = ((n * #oh + oh) * #ow + ow) * #c + ch;
-                                                if winners[k] as usize == me {
-                                                    sum += #to_acc(dy[k]);
-                                                }
+                                    // A loser adds +0: the sum starts at +0, so it is never
+                                    // -0, and adding +0 leaves its bits as they are.
+                                    let me = (row * #iw + w) * #c;
+                                    let mut sum = [0.0 as #a; #c];
+                                    for oh in ohs.clone() {
+                                        for ow in ows.clone() {
+                                            let k = ((n * #oh + oh) * #ow + ow) * #c;
+                                            let (ws, gs) = (&winners[k..k + #c], &dy[k..k + #c]);
+                                            for ch in 0..#c {
+                                                let g = #to_acc(gs[ch]);
+                                                sum[ch] += if ws[ch] == (me + ch) as u32 { g } else { 0.0 };
                                             }
                                         }
-                                        dx[w * #c + ch] = #from_acc(sum);
+                                    }
+                                    let dx = &mut dx[w * #c..(w + 1) * #c];
+                                    for ch in 0..#c {
+                                        dx[ch] = #from_acc(sum[ch]);
                                     }
                                 }
                             }
-                        });
-                    }
-                },
-                PoolKind::Avg => quote! {
-                    /// Average pooling of `B` images; the divisor counts padded positions
-                    /// (PyTorch's default).
-                    pub fn #forward<const __B: usize>(
-                        pool: &#rt::Pool,
-                        x: &[#t],
-                        y: &mut [#t],
-                        winners: &mut [u32],
-                    ) {
-                        let _ = winners;
-                        let ys = #rt::Shared::new(y);
-                        let scale = 1.0 as #a / (#area as #a);
-                        pool.split(__B * #oh, #ow * #kh * #kw * #c, &|range| {
+                        },
+                    ),
+                ),
+                PoolKind::Avg => (
+                    rows_fn(
+                        quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, keep: bool, range: ::core::ops::Range<usize>),
+                        quote!(x, ys, ws, keep, range),
+                        quote! {
+                            let _ = (ws, keep);
+                            let scale = 1.0 as #a / (#area as #a);
                             for row in range {
                                 let (n, oh) = (row / #oh, row % #oh);
                                 // SAFETY: the worker's own output rows.
@@ -722,31 +736,26 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                     for i in rows.clone() {
                                         for j in cols.clone() {
                                             let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c;
+                                            let xs = &x[px..px + #c];
                                             for ch in 0..#c {
-                                                sum[ch] += #to_acc(x[px + ch]);
+                                                sum[ch] += #to_acc(xs[ch]);
                                             }
                                         }
                                     }
+                                    let y = &mut y[ow * #c..(ow + 1) * #c];
                                     for ch in 0..#c {
-                                        y[ow * #c + ch] = #from_acc(sum[ch] * scale);
+                                        y[ch] = #from_acc(sum[ch] * scale);
                                     }
                                 }
                             }
-                        });
-                    }
-
-                    /// `dx` = the gradient of average pooling, gathered: each input sums, in
-                    /// output order, the gradients of the windows it is in, over the area.
-                    pub fn #backward<const __B: usize>(
-                        pool: &#rt::Pool,
-                        dy: &[#t],
-                        winners: &[u32],
-                        dx: &mut [#t],
-                    ) {
-                        let _ = winners;
-                        let dxs = #rt::Shared::new(dx);
-                        let scale = 1.0 as #a / (#area as #a);
-                        pool.split(__B * #ih, #iw * #c * #kh * #kw, &|range| {
+                        },
+                    ),
+                    rows_fn(
+                        quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
+                        quote!(dy, winners, dxs, range),
+                        quote! {
+                            let _ = winners;
+                            let scale = 1.0 as #a / (#area as #a);
                             for row in range {
                                 let (n, h) = (row / #ih, row % #ih);
                                 // SAFETY: the worker's own input rows.
@@ -758,19 +767,75 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                     for oh in ohs.clone() {
                                         for ow in ows.clone() {
                                             let k = ((n * #oh + oh) * #ow + ow) * #c;
+                                            let gs = &dy[k..k + #c];
                                             for ch in 0..#c {
-                                                sum[ch] += #to_acc(dy[k + ch]);
+                                                sum[ch] += #to_acc(gs[ch]);
                                             }
                                         }
                                     }
+                                    let dx = &mut dx[w * #c..(w + 1) * #c];
                                     for ch in 0..#c {
-                                        dx[w * #c + ch] = #from_acc(sum[ch] * scale);
+                                        dx[ch] = #from_acc(sum[ch] * scale);
                                     }
                                 }
                             }
-                        });
-                    }
-                },
+                        },
+                    ),
+                ),
+            };
+            let (what, gradient) = match kind {
+                PoolKind::Max => (
+                    quote! {
+                        /// Max-pooling of `B` images, the winners' input indices into `winners`
+                        /// (when not empty): padded positions never win, the first maximum in
+                        /// row-major window order does, and NaN wins as in PyTorch.
+                    },
+                    quote! {
+                        /// `dx` = the gradient of max-pooling, gathered: each input sums, in
+                        /// output order, the gradients of the outputs it won.
+                    },
+                ),
+                PoolKind::Avg => (
+                    quote! {
+                        /// Average pooling of `B` images; the divisor counts padded positions
+                        /// (PyTorch's default).
+                    },
+                    quote! {
+                        /// `dx` = the gradient of average pooling, gathered: each input sums,
+                        /// in output order, the gradients of the windows it is in, over the
+                        /// area.
+                    },
+                ),
+            };
+            quote! {
+                #what
+                pub fn #forward<const __B: usize>(
+                    pool: &#rt::Pool,
+                    x: &[#t],
+                    y: &mut [#t],
+                    winners: &mut [u32],
+                ) {
+                    #forward_rows
+                    let keep = !winners.is_empty();
+                    let (ys, ws) = (#rt::Shared::new(y), #rt::Shared::new(winners));
+                    pool.split(__B * #oh, #ow * #kh * #kw * #c, &|range| {
+                        __rows::<__B>(x, &ys, &ws, keep, range)
+                    });
+                }
+
+                #gradient
+                pub fn #backward<const __B: usize>(
+                    pool: &#rt::Pool,
+                    dy: &[#t],
+                    winners: &[u32],
+                    dx: &mut [#t],
+                ) {
+                    #backward_rows
+                    let dxs = #rt::Shared::new(dx);
+                    pool.split(__B * #ih, #iw * #c * #kh * #kw, &|range| {
+                        __rows::<__B>(dy, winners, &dxs, range)
+                    });
+                }
             }
         }
         Kind::Activation(activation) => {
@@ -778,41 +843,19 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
             quote! {
                 /// `y = f(x)`, element-wise.
                 pub fn #forward(pool: &#rt::Pool, x: &[#t], y: &mut [#t]) {
-                    let ys = #rt::Shared::new(y);
-                    pool.split(x.len(), #rt::ELEMENT_WORK, &|range| {
-                        // SAFETY: the worker's own elements.
-                        let y = unsafe { ys.part(range.start, range.len()) };
-                        for (y, x) in y.iter_mut().zip(&x[range]) {
-                            *y = #from_acc(<#act as #rt::Activation>::f(#to_acc(*x)));
-                        }
-                    });
+                    #rt::activation::entry_forward_on::<#act, #t>(pool, x, y)
                 }
 
                 /// `dx = dy * f'(x)` (with `y = f(x)`), element-wise.
                 pub fn #backward(pool: &#rt::Pool, dy: &[#t], x: &[#t], y: &[#t], dx: &mut [#t]) {
-                    let dxs = #rt::Shared::new(dx);
-                    pool.split(x.len(), #rt::ELEMENT_WORK, &|range| {
-                        // SAFETY: the worker's own elements.
-                        let dx = unsafe { dxs.part(range.start, range.len()) };
-                        for (k, d) in range.zip(dx.iter_mut()) {
-                            let df = <#act as #rt::Activation>::df_given_output(#to_acc(x[k]), #to_acc(y[k]));
-                            *d = #from_acc(#to_acc(dy[k]) * df);
-                        }
-                    });
+                    #rt::activation::entry_backward_on::<#act, #t>(pool, dy, x, y, dx)
                 }
             }
         }
         Kind::Residual(_) => quote! {
             /// `y = x + f(x)` (and, backward, `dx = dy + df`), element-wise.
             pub fn #forward(pool: &#rt::Pool, x: &[#t], f: &[#t], y: &mut [#t]) {
-                let ys = #rt::Shared::new(y);
-                pool.split(x.len(), #rt::ELEMENT_WORK, &|range| {
-                    // SAFETY: the worker's own elements.
-                    let y = unsafe { ys.part(range.start, range.len()) };
-                    for (k, y) in range.zip(y.iter_mut()) {
-                        *y = #from_acc(#to_acc(x[k]) + #to_acc(f[k]));
-                    }
-                });
+                #rt::activation::sum_on::<#t>(pool, x, f, y)
             }
         },
         _ => TokenStream::new(),
