@@ -32,7 +32,7 @@ use quote::{format_ident, quote};
 use super::cpu::{activation_type, layout_id};
 use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
 use super::{lit, rt, usize_consts};
-use crate::spec::{Dtype, Norm, Spec};
+use crate::spec::{Activation, Dtype, Norm, Spec};
 
 /// Tiles per chunk at most, and the size aimed at. Small chunks keep the chunk's transforms
 /// (`16 * tiles * channels` each) in cache next to the transformed weights; measured on the
@@ -766,6 +766,24 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     // computes its own `dz` (and bias gradient) in cache instead of a pass over the batch first.
     let fused = spec.norm == Norm::None;
     let act = activation_type(spec.activation);
+    // Where `dz` is the output gradient itself (no activation, and the element type is the
+    // accumulator's), a chunk reads it in place instead of copying it.
+    let chunk = if spec.activation == Activation::Identity
+        && matches!(spec.dtype, Dtype::F32 | Dtype::F64)
+    {
+        quote! {
+            let _ = (pre, output, &dzc);
+            let chunk: &[__A] = &d_output[range];
+        }
+    } else {
+        quote! {
+            let chunk = &mut dzc[..range.len()];
+            #rt::activation::backward::<#act, __T>(
+                &d_output[range.clone()], &pre[range.clone()], &output[range], chunk,
+            );
+            let chunk: &[__A] = chunk;
+        }
+    };
     let kernel = dispatched(
         spec.dtype,
         "wino_backward_tiles",
@@ -816,10 +834,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     let end_row = if __WM * (last % __WTH) + __WM < __OH { __WM * (last % __WTH) + __WM } else { __OH };
                     let end = last / __WTH * __NPIX + end_row * __OW;
                     let range = first * __OC..end * __OC;
-                    let chunk = &mut dzc[..range.len()];
-                    #rt::activation::backward::<#act, __T>(
-                        &d_output[range.clone()], &pre[range.clone()], &output[range], chunk,
-                    );
+                    #chunk
                     if !db.is_empty() {
                         for px in chunk.chunks_exact(__OC) {
                             for k in 0..__OC / __L {
@@ -827,7 +842,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                             }
                         }
                     }
-                    (dzc.as_ptr(), first)
+                    (chunk.as_ptr(), first)
                 } else {
                     (dz.as_ptr(), 0)
                 };
