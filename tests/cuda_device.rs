@@ -758,7 +758,7 @@ network_equivalence!(network_repeated_blocks, f32, [6, 6, 4], [1, 1, 3], [
 ]);
 
 /// Max-pooling's rules where windows tie, hold NaN or are all -inf (PyTorch's: the first
-/// maximum in row-major order wins, NaN wins, an all -inf window's first position wins): the
+/// maximum in row-major order wins, the last NaN wins, an all -inf window's first position): the
 /// GPU's outputs and input gradient equal the CPU's bit for bit.
 mod pool_edge_cases {
     use crate::gpu;

@@ -383,9 +383,9 @@ fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
             (r % 3) as f32
         };
     }
-    // PyTorch's rule: the window's positions inside the image in row-major order, the first
-    // one the candidate, a later one taking over when greater, or NaN where the candidate is
-    // not.
+    // PyTorch's rule (`val > maxval || isnan(val)`): the window's positions inside the image
+    // in row-major order, the first one the candidate, a later one taking over when greater or
+    // NaN (so the last NaN wins).
     let xs = x.as_slice();
     let mut expected = vec![0.0f32; batch * oh * ow * c];
     let mut winner = vec![0usize; expected.len()];
@@ -400,9 +400,7 @@ fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
                     }
                     let idx = ((b * h + r as usize) * w + q as usize) * c + ch;
                     at = match at {
-                        Some(a) if !(xs[idx] > xs[a] || (xs[idx].is_nan() && !xs[a].is_nan())) => {
-                            Some(a)
-                        }
+                        Some(a) if !(xs[idx] > xs[a] || xs[idx].is_nan()) => Some(a),
                         _ => Some(idx),
                     };
                 }

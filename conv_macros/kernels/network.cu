@@ -12,7 +12,7 @@ static_assert(IC == OC, "pooling keeps the channels");
 
 // forward: y[b][oh][ow][c], over `count` = batch * OH * OW * OC items. Max: the largest value
 // of the window's positions inside the image (padding never wins); average: their sum over
-// KH * KW (the divisor counts padded positions, PyTorch's default). NaN wins a max window.
+// KH * KW (the divisor counts padded positions, PyTorch's default). The last NaN wins a max window.
 extern "C" __global__ void __launch_bounds__(THREADS)
 pool_forward(long long count, const T* x, T* y) {
     for (long long i = first_element(); i < count; i += element_stride()) {
@@ -34,8 +34,8 @@ pool_forward(long long count, const T* x, T* y) {
                 if (ix < 0 || ix >= IW) continue;
                 const acc_t v = to_acc(x[((b * IH + iy) * IW + ix) * IC + c]);
 #if defined(NETWORK_MAX_POOL)
-                // NaN wins, as in PyTorch (and the CPU's generated code).
-                if (!found || v > value || (v != v && value == value)) value = v;
+                // The last NaN wins, as in PyTorch (`val > maxval || isnan(val)`) and the CPU's code.
+                if (!found || v > value || v != v) value = v;
                 found = true;
 #else
                 value += v;
@@ -64,7 +64,7 @@ __device__ __forceinline__ bool first_maximum(const T* x, long long b, int c, in
             const int x_ = ow * SW - PW + kx;
             if (x_ < 0 || x_ >= IW) continue;
             const acc_t v = to_acc(x[((b * IH + y) * IW + x_) * IC + c]);
-            if (!found || v > best || (v != v && best == best)) {
+            if (!found || v > best || v != v) {
                 best = v;
                 best_y = y;
                 best_x = x_;

@@ -667,8 +667,9 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                             let xs = &x[px..px + #c];
                                             for ch in 0..#c {
                                                 let (v, b) = (#to_acc(xs[ch]), best[ch]);
-                                                // `v > b`, or `v` NaN where `b` is not.
-                                                let take = !(v <= b) & !b.is_nan();
+                                                // PyTorch's `val > maxval || isnan(val)`: the
+                                                // last NaN wins.
+                                                let take = (v > b) | v.is_nan();
                                                 best[ch] = if take { v } else { b };
                                                 at[ch] = if take { (px + ch) as u32 } else { at[ch] };
                                             }
@@ -788,7 +789,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     quote! {
                         /// Max-pooling of `B` images, the winners' input indices into `winners`
                         /// (when not empty): padded positions never win, the first maximum in
-                        /// row-major window order does, and NaN wins as in PyTorch.
+                        /// row-major window order does, and the last NaN wins, as in PyTorch.
                     },
                     quote! {
                         /// `dx` = the gradient of max-pooling, gathered: each input sums, in
