@@ -631,15 +631,15 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     #[cfg(target_arch = "x86_64")]
                     #[target_feature(enable = "avx2,fma")]
                     unsafe fn __rows_avx2<const __B: usize>(#params) {
-                        __rows_body::<__B>(#args)
+                        __rows_body::<{ __B }>(#args)
                     }
                     fn __rows<const __B: usize>(#params) {
                         #[cfg(target_arch = "x86_64")]
                         if #rt::avx2_fma() {
                             // SAFETY: the CPU has AVX2 and FMA.
-                            return unsafe { __rows_avx2::<__B>(#args) };
+                            return unsafe { __rows_avx2::<{ __B }>(#args) };
                         }
-                        __rows_body::<__B>(#args)
+                        __rows_body::<{ __B }>(#args)
                     }
                 }
             };
@@ -820,7 +820,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     let keep = !winners.is_empty();
                     let (ys, ws) = (#rt::Shared::new(y), #rt::Shared::new(winners));
                     pool.split(__B * #oh, #ow * #kh * #kw * #c, &|range| {
-                        __rows::<__B>(x, &ys, &ws, keep, range)
+                        __rows::<{ __B }>(x, &ys, &ws, keep, range)
                     });
                 }
 
@@ -834,7 +834,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     #backward_rows
                     let dxs = #rt::Shared::new(dx);
                     pool.split(__B * #ih, #iw * #c * #kh * #kw, &|range| {
-                        __rows::<__B>(dy, winners, &dxs, range)
+                        __rows::<{ __B }>(dy, winners, &dxs, range)
                     });
                 }
             }
