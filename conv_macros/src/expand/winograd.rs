@@ -768,9 +768,9 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let act = activation_type(spec.activation);
     // Where `dz` is the output gradient itself (no activation, and the element type is the
     // accumulator's), a chunk reads it in place instead of copying it.
-    let chunk = if spec.activation == Activation::Identity
-        && matches!(spec.dtype, Dtype::F32 | Dtype::F64)
-    {
+    let in_place =
+        spec.activation == Activation::Identity && matches!(spec.dtype, Dtype::F32 | Dtype::F64);
+    let chunk = if in_place {
         quote! {
             let _ = (pre, output, &dzc);
             let chunk: &[__A] = &d_output[range];
@@ -900,7 +900,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             }
         },
     );
-    let dz_chunk = lit(if fused {
+    // Scratch for a chunk's `dz` only where the chunk computes it.
+    let dz_chunk = lit(if fused && !in_place {
         chunk_rows(spec, plan) * plan.m * spec.out_w() * spec.out_channels
     } else {
         0
@@ -912,7 +913,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         /// The backward pass's parts: whole images each, with a weight-gradient partial of
         /// their own (see `weight_parts`).
         const __WPARTS: usize = #wparts;
-        /// `dz` of one chunk at most: its tile rows' output rows.
+        /// `dz` of one chunk at most: its tile rows' output rows (none where a chunk reads the
+        /// output gradient in place).
         const __DZ_CHUNK: usize = #dz_chunk;
 
         /// Where the fused kernel takes `dz` from: the output gradient, the pre-activations and

@@ -675,9 +675,9 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                             }
                                         }
                                     }
-                                    let ys = &mut y[ow * #c..(ow + 1) * #c];
+                                    let out = &mut y[ow * #c..(ow + 1) * #c];
                                     for ch in 0..#c {
-                                        ys[ch] = #from_acc(best[ch]);
+                                        out[ch] = #from_acc(best[ch]);
                                     }
                                     if keep {
                                         w[ow * #c..(ow + 1) * #c].copy_from_slice(&at);
