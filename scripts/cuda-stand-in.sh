@@ -11,6 +11,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 start=$SECONDS
+# scripts/test.sh's features, so the test binary it built is reused, not rebuilt.
+features=onednn,cuda
 
 if ! command -v g++ >/dev/null 2>&1; then
     apt-get update -qq
@@ -38,10 +40,10 @@ export CUDA_STAND_IN_CACHE="$root/cache"
 export CONV2D_REQUIRE_GPU=1
 
 echo "+ cuda_device, threads in order"
-CUDA_STAND_IN_SCHEDULE=in-order cargo test --release --features cuda --test cuda_device
+CUDA_STAND_IN_SCHEDULE=in-order cargo test --release --features "$features" --test cuda_device
 echo "+ cuda_device, threads in a permuted order ($((SECONDS - start)) s so far)"
 CUDA_STAND_IN_SCHEDULE=permuted CUDA_STAND_IN_SEED=20240607 \
-    cargo test --release --features cuda --test cuda_device 2>&1 | tee "$root/permuted.log"
+    cargo test --release --features "$features" --test cuda_device 2>&1 | tee "$root/permuted.log"
 # Without cuDNN: the device and the direct-kernel layers run, a cuDNN layer is an error.
 rm -rf "$root/lib-no-cudnn"
 mkdir -p "$root/lib-no-cudnn"
@@ -51,6 +53,6 @@ done
 echo "+ cuda_device without cuDNN"
 LD_LIBRARY_PATH="$root/lib-no-cudnn" NVRTC_LIB_DIR="$root/lib-no-cudnn" \
     CUDNN_LIB_DIR="$root/lib-no-cudnn" CONV2D_NO_CUDNN=1 \
-    cargo test --release --features cuda --test cuda_device direct_layers_need_no_cudnn
+    cargo test --release --features "$features" --test cuda_device direct_layers_need_no_cudnn
 echo "cuda-stand-in: every run passed in $((SECONDS - start)) s"
 tail -n 3 "$root/permuted.log"

@@ -19,29 +19,35 @@ fi
 python3 -m pip install --quiet --disable-pip-version-check \
     nvidia-cuda-nvrtc==13.0.88 nvidia-cuda-runtime==13.0.96
 
+# Every cargo command takes the same features, so each crate is compiled once and every later
+# step reuses what the first built (a different feature set would rebuild the runtime and every
+# test crate after it).
+features=onednn,cuda
+start=$SECONDS
 run() {
-    echo "+ $*"
+    echo "+ $* ($((SECONDS - start)) s so far)"
     "$@"
 }
 
 # Everything, with the oneDNN backend and the CUDA kernels' compile checks.
-run cargo test --workspace --release --features onednn,cuda
+run cargo test --workspace --release --features $features
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA), and with the
 # AVX2 kernels limited to 16 registers (CPUs without AVX-512VL; where the CPU has no AVX2 this
 # repeats the portable run).
-CONV2D_SIMD=portable run cargo test --release --test conformance_training --test specs_forward
-CONV2D_SIMD=avx2 run cargo test --release --test conformance_training --test specs_forward
+CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward
+CONV2D_SIMD=avx2 run cargo test --release --features $features --test conformance_training --test specs_forward
 # The numeric suites on a 2-thread device that splits every call (tests/common: `cpu()`), so the
 # parallel paths meet the references too (tests/threads.rs holds them to the 1-thread bits).
-CONV2D_TEST_THREADS=2 run cargo test --release --features onednn,cuda --test conformance_forward \
+CONV2D_TEST_THREADS=2 run cargo test --release --features $features --test conformance_forward \
     --test conformance_training --test specs_forward --test half_conformance --test half_specs \
     --test gradcheck --test training --test network
 # The CUDA backend's device suite without a GPU, against the host stand-ins of the driver, NVRTC
 # and cuDNN (cuda_stand_in/): threads in order, permuted, and without cuDNN.
 run scripts/cuda-stand-in.sh
 # The main example in its short mode: exits non-zero unless the network learned.
-run cargo run --release --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
-run cargo run --release --example train_digits -- --quick --threads 2
-run cargo run --release --features onednn --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors
+run cargo run --release --features $features --example train_digits -- --quick --plot target/ci/train_digits.png --save target/ci/train_digits.safetensors
+run cargo run --release --features $features --example train_digits -- --quick --threads 2
+run cargo run --release --features $features --example train_digits -- --quick --backend onednn --plot target/ci/train_digits_onednn.png --save target/ci/train_digits_onednn.safetensors
 # DQN on MinAtar Breakout in its short mode: exits non-zero unless the agent beats random play.
-run cargo run --release --example dqn_minatar -- --quick --threads 2 --plot target/ci/dqn_minatar.png --save target/ci/dqn_minatar.safetensors
+run cargo run --release --features $features --example dqn_minatar -- --quick --threads 2 --plot target/ci/dqn_minatar.png --save target/ci/dqn_minatar.safetensors
+echo "scripts/test.sh: every step passed in $((SECONDS - start)) s"
