@@ -368,21 +368,8 @@ conv_runtime::network! {
 fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
     let ([h, w, c], (k, s, p), batch) = ([5, 5, 9], (3, 2, 1), 2);
     let (oh, ow) = (3, 3);
-    // Values from {0, 1, 2} so that windows tie, a few NaN, and one channel of the second
-    // image all -inf.
-    let mut rng = SplitMix64::new(11);
     let mut x = PoolOnlyInput::<2>::zeros();
-    for (i, v) in x.as_mut_slice().iter_mut().enumerate() {
-        let (b, ch) = (i / (h * w * c), i % c);
-        let r = rng.next_u64() % 64;
-        *v = if b == 1 && ch == 4 {
-            f32::NEG_INFINITY
-        } else if r < 3 {
-            f32::NAN
-        } else {
-            (r % 3) as f32
-        };
-    }
+    common::pooling_edge_values(x.as_mut_slice(), h * w * c, c);
     // PyTorch's rule (`val > maxval || isnan(val)`): the window's positions inside the image
     // in row-major order, the first one the candidate, a later one taking over when greater or
     // NaN (so the last NaN wins).

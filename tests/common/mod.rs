@@ -466,6 +466,22 @@ impl SplitMix64 {
     }
 }
 
+/// Max-pooling's hard input, NHWC with `image` values per image and `channels` channels: values
+/// from {0, 1, 2} so that windows tie, a few NaN, and channel 4 of the second image all -inf.
+pub fn pooling_edge_values(xs: &mut [f32], image: usize, channels: usize) {
+    let mut rng = SplitMix64::new(11);
+    for (i, v) in xs.iter_mut().enumerate() {
+        let r = rng.next_u64() % 64;
+        *v = if i / image == 1 && i % channels == 4 {
+            f32::NEG_INFINITY
+        } else if r < 3 {
+            f32::NAN
+        } else {
+            (r % 3) as f32
+        };
+    }
+}
+
 /// max|got - expected| / max(1, max|expected|).
 pub fn rel_err(got: &[f64], expected: &[f64]) -> f64 {
     assert_eq!(got.len(), expected.len(), "lengths differ");
