@@ -325,11 +325,34 @@ impl Cpu {
     /// must write every one of the `packed_len` elements, which are left over from an evicted
     /// copy) and `scratch_len` scratch elements (not cleared).
     #[doc(hidden)]
+    #[inline]
     pub fn __workspace<A: CpuScalar>(
         &mut self,
         key: PackKey,
         packed_len: usize,
         pack: impl FnOnce(&Pool, &mut [A]),
+        scratch_len: usize,
+    ) -> Workspace<'_, A> {
+        // The cache's code is compiled once per element type, not once per layer's packer:
+        // every layer calls this, and each copy was some hundred lines of IR to compile.
+        let mut pack = Some(pack);
+        self.workspace(
+            key,
+            packed_len,
+            &mut |pool, data| {
+                if let Some(pack) = pack.take() {
+                    pack(pool, data);
+                }
+            },
+            scratch_len,
+        )
+    }
+
+    fn workspace<A: CpuScalar>(
+        &mut self,
+        key: PackKey,
+        packed_len: usize,
+        pack: &mut dyn FnMut(&Pool, &mut [A]),
         scratch_len: usize,
     ) -> Workspace<'_, A> {
         self.clock += 1;
