@@ -17,7 +17,9 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote, ToTokens};
 
 use super::cpu::{layout_id, staged};
-use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::kernel::{
+    array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
+};
 use super::{lit, rt, usize_consts, Names};
 use crate::spec::Spec;
 
@@ -54,12 +56,46 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
 fn data_kernel(spec: &Spec) -> DataPath {
     let rt = rt();
+    let null = quote!(::core::ptr::null_mut::<__A>());
+    let dzs_array = array_by_loop(
+        quote!(__DP),
+        quote!(::core::ptr::null::<__A>()),
+        "p",
+        quote!(if q0 + p < end {
+            dz.add((q0 + p) * __OC)
+        } else {
+            zero_row.as_ptr()
+        }),
+    );
+    let bases_array = array_by_loop(
+        quote!(__DP),
+        null.clone(),
+        "p",
+        quote!({
+            let q = if q0 + p < end { q0 + p } else { end - 1 };
+            let (n, r) = (q / __NPIX - images.start, q % __NPIX);
+            let (oh, ow) = (r / __OW, r % __OW);
+            dx.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
+        }),
+    );
+    let rows_array = array_by_loop(
+        quote!(__DP),
+        null,
+        "p",
+        quote!(bases[p].add(kh * __XW * __IC)),
+    );
     let segment = spec.kernel[1] * spec.in_c();
     let blk = Blocking::new(spec.dtype, segment);
     let l = blk.lanes;
     let calls = blk.calls("data_tile", false, |tile, first| {
+        let dsts = array_by_loop(
+            quote!(__DP),
+            quote!(::core::ptr::null_mut::<__A>()),
+            "p",
+            quote!(rows[p].add(#first)),
+        );
         quote! {
-            let dsts: [*mut __A; __DP] = ::core::array::from_fn(|p| rows[p].add(#first));
+            let dsts: [*mut __A; __DP] = #dsts;
             #tile::<__S>(&dzs, w.add(kh * __OC * __SEGP + __OC * #first), &dsts);
         }
     });
@@ -132,17 +168,10 @@ fn data_kernel(spec: &Spec) -> DataPath {
             let mut q0 = first;
             while q0 < end {
                 // Pixels past the end of a partial tile read a zero gradient: they add nothing.
-                let dzs: [*const __A; __DP] = ::core::array::from_fn(|p| {
-                    if q0 + p < end { dz.add((q0 + p) * __OC) } else { zero_row.as_ptr() }
-                });
-                let bases: [*mut __A; __DP] = ::core::array::from_fn(|p| {
-                    let q = if q0 + p < end { q0 + p } else { end - 1 };
-                    let (n, r) = (q / __NPIX - images.start, q % __NPIX);
-                    let (oh, ow) = (r / __OW, r % __OW);
-                    dx.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
-                });
+                let dzs: [*const __A; __DP] = #dzs_array;
+                let bases: [*mut __A; __DP] = #bases_array;
                 for kh in 0..__KH {
-                    let rows: [*mut __A; __DP] = ::core::array::from_fn(|p| bases[p].add(kh * __XW * __IC));
+                    let rows: [*mut __A; __DP] = #rows_array;
                     #calls
                 }
                 q0 += __DP;
@@ -243,6 +272,16 @@ fn gather_applies(spec: &Spec) -> bool {
 /// is a whole vector with no branch; each input pixel is written once, straight into `d_input`.
 /// Tiles of `GP` pixels of the flattened batch, `GP x IC x vectors` accumulators.
 fn gather_kernel(spec: &Spec) -> DataPath {
+    let zs_array = array_by_loop(
+        quote!(__GP),
+        quote!(::core::ptr::null::<__A>()),
+        "p",
+        quote!({
+            let q = if q0 + p < total { q0 + p } else { total - 1 };
+            let (h, x) = (q / __IW, q % __IW);
+            zp.add(((h + __PH + __TPH) * __ZW + x + __PW + __TPW) * __GOCP)
+        }),
+    );
     let rt = rt();
     let l = spec.dtype.lanes();
     let (ic, kv) = (spec.in_c(), spec.out_channels.div_ceil(l));
@@ -319,11 +358,7 @@ fn gather_kernel(spec: &Spec) -> DataPath {
             while q0 < total {
                 let valid = if total - q0 < __GP { total - q0 } else { __GP };
                 // Each pixel's `dz` at kernel offset (0, 0); pixels past the end repeat the last.
-                let zs: [*const __A; __GP] = ::core::array::from_fn(|p| {
-                    let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (h, x) = (q / __IW, q % __IW);
-                    zp.add(((h + __PH + __TPH) * __ZW + x + __PW + __TPW) * __GOCP)
-                });
+                let zs: [*const __A; __GP] = #zs_array;
                 #init
                 for kh in 0..__KH {
                     for kw in 0..__KW {
@@ -407,12 +442,40 @@ fn gather_kernel(spec: &Spec) -> DataPath {
 }
 
 fn weights_kernel(spec: &Spec) -> TokenStream {
+    let offs_array = array_by_loop(
+        quote!(__P),
+        quote!(0),
+        "i",
+        quote!({
+            let r = if r0 + i < __WINDOW {
+                r0 + i
+            } else {
+                __WINDOW - 1
+            };
+            (r / __SEG) * __XW * __IC + r % __SEG
+        }),
+    );
+    let rows_array = array_by_loop(
+        quote!(__P),
+        quote!(::core::ptr::null_mut::<__A>()),
+        "i",
+        quote!({
+            let row = if r0 + i < __WINDOW { r0 + i } else { __WINDOW };
+            dw.add((row - first_row) * __OCP)
+        }),
+    );
     let rt = rt();
     let blk = Blocking::new(spec.dtype, spec.out_channels);
     let l = blk.lanes;
     let calls = blk.calls("weight_tile", false, |tile, first| {
+        let dsts = array_by_loop(
+            quote!(__P),
+            quote!(::core::ptr::null_mut::<__A>()),
+            "i",
+            quote!(rows[i].add(#first)),
+        );
         quote! {
-            let dsts: [*mut __A; __P] = ::core::array::from_fn(|i| rows[i].add(#first));
+            let dsts: [*mut __A; __P] = #dsts;
             #tile::<__S>(x, &xoff[..count], &offs, dz.add(q0 * __OC + #first), &dsts, q0 == 0);
         }
     });
@@ -486,14 +549,8 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
                 let mut r0 = blocks.start * __P;
                 while r0 < blocks.end * __P {
                     // Positions past the window repeat the last one into the sink row.
-                    let offs: [usize; __P] = ::core::array::from_fn(|i| {
-                        let r = if r0 + i < __WINDOW { r0 + i } else { __WINDOW - 1 };
-                        (r / __SEG) * __XW * __IC + r % __SEG
-                    });
-                    let rows: [*mut __A; __P] = ::core::array::from_fn(|i| {
-                        let row = if r0 + i < __WINDOW { r0 + i } else { __WINDOW };
-                        dw.add((row - first_row) * __OCP)
-                    });
+                    let offs: [usize; __P] = #offs_array;
+                    let rows: [*mut __A; __P] = #rows_array;
                     #calls
                     r0 += __P;
                 }

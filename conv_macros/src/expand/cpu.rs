@@ -16,7 +16,9 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::kernel::{
+    array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
+};
 use super::{acc, backward, dense, elem, lit, norm, onednn, rt, usize_consts, winograd};
 use crate::spec::{Activation, Norm, Spec};
 
@@ -145,6 +147,17 @@ fn stage_fn(spec: &Spec) -> TokenStream {
 
 /// The forward convolution: `conv::<B, RELU>(cpu, layer, x, ya, epilogue)`.
 fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
+    let xs_array = array_by_loop(
+        quote!(__P),
+        quote!(::core::ptr::null::<__A>()),
+        "p",
+        quote!({
+            let q = if q0 + p < total { q0 + p } else { total - 1 };
+            let (n, r) = (q / __NPIX, q % __NPIX);
+            let (oh, ow) = (r / __OW, r % __OW);
+            x.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
+        }),
+    );
     let rt = rt();
     let layer = &spec.ident;
     let block_calls = blk.calls("tile", true, |tile, first| {
@@ -196,12 +209,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 let yt = y.part(q0 * __OC, valid * __OC);
                 // Pixels past the end of a partial tile repeat the last one; their results go
                 // to `tail` and are dropped.
-                let xs: [*const __A; __P] = ::core::array::from_fn(|p| {
-                    let q = if q0 + p < total { q0 + p } else { total - 1 };
-                    let (n, r) = (q / __NPIX, q % __NPIX);
-                    let (oh, ow) = (r / __OW, r % __OW);
-                    x.add(((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC)
-                });
+                let xs: [*const __A; __P] = #xs_array;
                 let out: *mut __A = if valid == __P { yt.as_mut_ptr() } else { tail.as_mut_ptr() };
                 #block_calls
                 if valid < __P {

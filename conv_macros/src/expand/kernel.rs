@@ -140,6 +140,25 @@ pub fn simd_types(dtype: Dtype) -> (TokenStream, TokenStream) {
     }
 }
 
+/// `[value; len]` for `index` in `0..len`, built by a loop from `[fill; len]`: in a tile kernel,
+/// `core::array::from_fn` instantiates its machinery once per closure and per instantiation of
+/// the kernel, which had made a fifth of a network's IR.
+pub fn array_by_loop(
+    len: TokenStream,
+    fill: TokenStream,
+    index: &str,
+    value: TokenStream,
+) -> TokenStream {
+    let index = format_ident!("{}", index);
+    quote! {{
+        let mut __array = [#fill; #len];
+        for #index in 0..#len {
+            __array[#index] = #value;
+        }
+        __array
+    }}
+}
+
 pub fn accumulator(p: usize, v: usize) -> Ident {
     format_ident!("acc_{}_{}", p, v)
 }

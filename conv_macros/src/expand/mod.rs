@@ -4,7 +4,7 @@ mod backward;
 pub(crate) mod cpu;
 pub(crate) mod cuda;
 mod dense;
-mod kernel;
+pub(crate) mod kernel;
 mod norm;
 mod onednn;
 pub(crate) mod types;

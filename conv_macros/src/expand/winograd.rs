@@ -30,7 +30,9 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::cpu::{activation_type, layout_id};
-use super::kernel::{dispatched, fma_step, init_accumulators, write_accumulators, Blocking};
+use super::kernel::{
+    array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
+};
 use super::{lit, rt, usize_consts};
 use crate::spec::{Activation, Dtype, Norm, Spec};
 
@@ -227,6 +229,15 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
 /// The forward convolution (`conv`, the same signature as the direct kernel's), the staging
 /// and the packing.
 pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
+    let taps_array = array_by_loop(
+        quote!(__L),
+        quote!(0.0),
+        "i",
+        quote!({
+            let (k, c) = pair(outer, inner + i);
+            w[k * __WINDOW + __wino_tap(a, b, c)].to_acc()
+        }),
+    );
     let rt = rt();
     let layer = &spec.ident;
     let (oc_blk, ic_blk) = (
@@ -484,10 +495,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                         let mut g = [[__Lanes::zero(); __MAX]; __MAX];
                         for a in 0..__WR {
                             for b in 0..__WR {
-                                let taps: [__A; __L] = ::core::array::from_fn(|i| {
-                                    let (k, c) = pair(outer, inner + i);
-                                    w[k * __WINDOW + __wino_tap(a, b, c)].to_acc()
-                                });
+                                let taps: [__A; __L] = #taps_array;
                                 g[a][b] = __Lanes::load(taps.as_ptr());
                             }
                         }
@@ -572,6 +580,12 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
     let rt = rt();
     let name = format_ident!("{}", name);
     let p = lit(blk.p);
+    let rows_array = array_by_loop(
+        quote!(#p),
+        quote!(::core::ptr::null::<__A>()),
+        "i",
+        quote!(ae.add((tile * #p + i) * #k)),
+    );
     let calls = blk.calls(
         &format!("wgemm{}", blk.p),
         true,
@@ -585,8 +599,7 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
             for e in 0..__ELEMS {
                 let (ae, we, oe) = (a.add(e * __WCT * #k), w.add(e * #k * #n), o.add(e * __WCT * #n));
                 for tile in 0..count.div_ceil(#p) {
-                    let rows: [*const __A; #p] =
-                        ::core::array::from_fn(|i| ae.add((tile * #p + i) * #k));
+                    let rows: [*const __A; #p] = #rows_array;
                     let out = oe.add(tile * #p * #n);
                     #calls
                 }

@@ -23,7 +23,7 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::spec::{Entry, Kind, Network, Pool, PoolKind, Shape};
-use crate::expand::{acc, elem, lit, rt, types::params};
+use crate::expand::{acc, elem, kernel::array_by_loop, lit, rt, types::params};
 use crate::spec::{Activation, Norm};
 
 /// The Rust path of an entry's field (`block.conv1`) and its name in `Parameters`
@@ -586,6 +586,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
     let from_acc = quote!(<#t as #rt::Element>::from_acc);
     let [ih, iw, c] = e.input.dims().map(lit);
     let [oh, ow, _] = e.output.dims().map(lit);
+    let at_array = array_by_loop(quote!(#c), quote!(0), "ch", quote!((first + ch) as u32));
     let forward = format_ident!("__forward_{}", e.path);
     let backward = format_ident!("__backward_{}", e.path);
     match &e.kind {
@@ -660,7 +661,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                     // in PyTorch.
                                     let first = ((n * #ih + h0 + rows.start - #ph) * #iw + w0 + cols.start - #pw) * #c;
                                     let mut best = [#a::NEG_INFINITY; #c];
-                                    let mut at: [u32; #c] = ::core::array::from_fn(|ch| (first + ch) as u32);
+                                    let mut at: [u32; #c] = #at_array;
                                     for i in rows.clone() {
                                         for j in cols.clone() {
                                             let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c;
