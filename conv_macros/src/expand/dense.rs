@@ -43,6 +43,8 @@ const COLS: usize = 4;
 /// the rows' broadcasts and one vector of the other operand, 16 registers.
 const TILE_ROWS: usize = 3;
 const VECS: usize = 4;
+/// Terms (channels, or batch rows) of a gradient's stripe: the bits of a mask.
+const CHUNK: usize = 64;
 /// The most masks of nonzero gradient terms a kernel keeps (on its stack: 32 KiB).
 const MASK_CAP: usize = 4096;
 
@@ -52,6 +54,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let layer = &spec.ident;
     let (rows, cols, vecs, tile_rows) = (lit(ROWS), lit(COLS), lit(VECS), lit(TILE_ROWS));
     let mask_cap = lit(MASK_CAP);
+    let chunk = lit(CHUNK);
     // The register tiles, generic over their size so that edges take smaller ones; every loop
     // bound is a constant, so each instantiation is straight-line code around the `k` loop.
     let tiles = quote! {
@@ -63,7 +66,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
             let mut acc = [[__S::zero(); __C]; __R];
             let mut k = 0;
             while k + __L <= __IC {
-                let xv: [__S; __R] = ::core::array::from_fn(|r| __S::load(x.add(r * __IC + k)));
+                let mut xv = [__S::zero(); __R];
+                for r in 0..__R {
+                    xv[r] = __S::load(x.add(r * __IC + k));
+                }
                 for c in 0..__C {
                     let wv = __S::load(w.add(c * __IC + k));
                     for r in 0..__R {
@@ -74,7 +80,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
             if k < __IC {
                 let n = __IC - k;
-                let xv: [__S; __R] = ::core::array::from_fn(|r| __S::load_partial(x.add(r * __IC + k), n));
+                let mut xv = [__S::zero(); __R];
+                for r in 0..__R {
+                    xv[r] = __S::load_partial(x.add(r * __IC + k), n);
+                }
                 for c in 0..__C {
                     let wv = __S::load_partial(w.add(c * __IC + k), n);
                     for r in 0..__R {
@@ -130,7 +139,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
         ) {
             let mut acc = [[__S::zero(); __V]; __R];
             for j in 0..terms {
-                let gv: [__S; __R] = ::core::array::from_fn(|r| __S::splat(*g.add(r * gs + j * gj)));
+                let mut gv = [__S::zero(); __R];
+                for r in 0..__R {
+                    gv[r] = __S::splat(*g.add(r * gs + j * gj));
+                }
                 for i in 0..__V {
                     // The stripe is zero past `IC`: whole loads.
                     let vv = __S::load(v.add(j * __V * __L + i * __L));
@@ -193,6 +205,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
             5 * set < 3 * rows * terms
         }
     };
+    let forward_tiles = forward_tiles(spec);
     let forward = dispatched(
         spec.dtype,
         "dense_forward",
@@ -219,20 +232,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     let mut put = |r: usize, c: usize, v: __A| {
                         out[(r0 + r - batch.start) * __OC + c0 + c] = b[c0 + c] + v;
                     };
-                    match (rs, cs) {
-                        (3, 4) => __dense_tile::<__S, 3, 4>(xr, wc, &mut put),
-                        (3, 3) => __dense_tile::<__S, 3, 3>(xr, wc, &mut put),
-                        (3, 2) => __dense_tile::<__S, 3, 2>(xr, wc, &mut put),
-                        (3, _) => __dense_tile::<__S, 3, 1>(xr, wc, &mut put),
-                        (2, 4) => __dense_tile::<__S, 2, 4>(xr, wc, &mut put),
-                        (2, 3) => __dense_tile::<__S, 2, 3>(xr, wc, &mut put),
-                        (2, 2) => __dense_tile::<__S, 2, 2>(xr, wc, &mut put),
-                        (2, _) => __dense_tile::<__S, 2, 1>(xr, wc, &mut put),
-                        (_, 4) => __dense_tile::<__S, 1, 4>(xr, wc, &mut put),
-                        (_, 3) => __dense_tile::<__S, 1, 3>(xr, wc, &mut put),
-                        (_, 2) => __dense_tile::<__S, 1, 2>(xr, wc, &mut put),
-                        _ => __dense_tile::<__S, 1, 1>(xr, wc, &mut put),
-                    }
+                    #forward_tiles
                     r0 += #rows;
                 }
                 c0 += #cols;
@@ -241,32 +241,19 @@ pub fn expand(spec: &Spec) -> TokenStream {
         },
     );
     // Rows of `dz` (or of `dz^T`: output channels) against rows of `w` (or `x`), `VECS`
-    // vectors at a time.
-    // One register tile of rows (or channels) `rows_expr`, against the stripe; `add` says
-    // whether it adds to `out` (else writes it).
-    let axpy_loop = |rows_expr: TokenStream, add: TokenStream| {
-        let call = |r: usize, full: bool, add: bool| {
-            let r = lit(r);
-            quote!(__dense_axpys::<__S, #r, #vecs, #full, #add>(g, gs, gj, terms, v, k0, dst))
-        };
-        let arms = [
-            (3, true),
-            (2, true),
-            (1, true),
-            (3, false),
-            (2, false),
-            (1, false),
-        ]
-        .into_iter()
-        .flat_map(|(r, full)| {
-            [true, false].map(|add| {
-                let pattern = if r == 1 {
-                    quote!(_)
-                } else {
-                    lit(r).into_token_stream()
-                };
-                let body = call(r, full, add);
-                quote!((#pattern, #full, #add) => #body,)
+    // vectors at a time: one register tile of `rows_expr` rows (or channels) against the
+    // stripe, adding to `out` where `add` (else writing it). Each set holds the values its
+    // expression can take for this layer, so only the reachable tile shapes are compiled.
+    let axpy_loop = |rows_expr: TokenStream, rows: &[usize], add: TokenStream, adds: &[bool]| {
+        let fulls = full_stripes(spec);
+        let vecs = &vecs;
+        let arms = (0..rows.len()).flat_map(|i| {
+            let r_pat = pattern(rows, i);
+            let r = lit(rows[i]);
+            stripe_arms(&fulls, adds).map(move |(full, add, pat)| {
+                quote! {
+                    (#r_pat, #pat) => __dense_axpys::<__S, #r, #vecs, #full, #add>(g, gs, gj, terms, v, k0, dst),
+                }
             })
         });
         quote! {
@@ -278,27 +265,37 @@ pub fn expand(spec: &Spec) -> TokenStream {
     };
     // One row at a time over its listed terms (row `r`'s mask is `masks[row + r * stride]`),
     // against the stripe.
-    let listed_loop = |rows_expr: TokenStream, add: TokenStream, stride: TokenStream| {
-        let arms =
-            [(true, true), (true, false), (false, true), (false, false)].map(|(full, add)| {
+    let listed_loop =
+        |rows_expr: TokenStream, add: TokenStream, adds: &[bool], stride: TokenStream| {
+            let fulls = full_stripes(spec);
+            let arms = stripe_arms(&fulls, adds).map(|(full, add, pat)| {
                 quote! {
-                    (#full, #add) => __dense_axpys_listed::<__S, #vecs, #full, #add>(
+                    (#pat) => __dense_axpys_listed::<__S, #vecs, #full, #add>(
                         g.add(r * gs), gj, mask, v, k0, dst.add(r * __IC),
                     ),
                 }
             });
-        quote! {
-            let full = k0 + #vecs * __L <= __IC;
-            for r in 0..#rows_expr {
-                let mask = masks[row + r * #stride];
-                match (full, #add) {
-                    #(#arms)*
+            quote! {
+                let full = k0 + #vecs * __L <= __IC;
+                for r in 0..#rows_expr {
+                    let mask = masks[row + r * #stride];
+                    match (full, #add) {
+                        #(#arms)*
+                    }
                 }
             }
-        }
+        };
+    // The input gradient adds to `dx` from its second chunk of channels on; the weight
+    // gradient always adds.
+    let data_adds: &[bool] = if spec.out_channels > CHUNK {
+        &[false, true]
+    } else {
+        &[false]
     };
-    let data_loop = axpy_loop(quote!(rs), quote!(add));
-    let data_listed = listed_loop(quote!(rs), quote!(add), quote!(__OCHUNKS));
+    let data_rows = reachable(spec.batch, TILE_ROWS);
+    let weight_rows = reachable(spec.out_channels, TILE_ROWS);
+    let data_loop = axpy_loop(quote!(rs), &data_rows, quote!(add), data_adds);
+    let data_listed = listed_loop(quote!(rs), quote!(add), data_adds, quote!(__OCHUNKS));
     let data = dispatched(
         spec.dtype,
         "dense_data",
@@ -347,8 +344,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         },
     );
-    let weights_loop = axpy_loop(quote!(os), quote!(true));
-    let weights_listed = listed_loop(quote!(os), quote!(true), quote!(__BCHUNKS));
+    let weights_loop = axpy_loop(quote!(os), &weight_rows, quote!(true), &[true]);
+    let weights_listed = listed_loop(quote!(os), quote!(true), &[true], quote!(__BCHUNKS));
     let weights = dispatched(
         spec.dtype,
         "dense_weights",
@@ -479,7 +476,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
 
         /// Terms (channels, or batch rows) of a gradient's stripe: the bits of a mask.
-        const __CHUNK: usize = 64;
+        const __CHUNK: usize = #chunk;
         /// Chunks of output channels, and of batch rows.
         const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
         const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
@@ -493,5 +490,67 @@ pub fn expand(spec: &Spec) -> TokenStream {
         #data
         #weights
         #pass
+    }
+}
+
+/// The sizes a tile over `total` elements takes, `tile` at a time: the full tile, then the
+/// remainder (one size when the tile covers `total`, or divides it).
+fn reachable(total: usize, tile: usize) -> Vec<usize> {
+    match (total <= tile, total % tile) {
+        (true, _) => vec![total],
+        (false, 0) => vec![tile],
+        (false, rest) => vec![tile, rest],
+    }
+}
+
+/// Whether a stripe of `VECS` vectors is whole: always, unless the inputs end inside one.
+fn full_stripes(spec: &Spec) -> Vec<bool> {
+    if spec.input[2] % (VECS * spec.dtype.lanes()) == 0 {
+        vec![true]
+    } else {
+        vec![true, false]
+    }
+}
+
+/// `values[i]` as a match pattern: the last value matches `_`, so that arms for every value of
+/// a set (and every combination of sets) cover all the others, which never occur.
+fn pattern<T: ToTokens>(values: &[T], i: usize) -> TokenStream {
+    if i + 1 == values.len() {
+        quote!(_)
+    } else {
+        values[i].to_token_stream()
+    }
+}
+
+/// Every `(full, add)` of the two sets, with their patterns.
+fn stripe_arms<'a>(
+    fulls: &'a [bool],
+    adds: &'a [bool],
+) -> impl Iterator<Item = (bool, bool, TokenStream)> + 'a {
+    (0..fulls.len()).flat_map(move |j| {
+        (0..adds.len()).map(move |k| {
+            let (f, a) = (pattern(fulls, j), pattern(adds, k));
+            (fulls[j], adds[k], quote!(#f, #a))
+        })
+    })
+}
+
+/// The forward pass's tiles of `rs` rows (any: the batch is the caller's) by `cs` output
+/// channels (those `COLS` at a time reach), over row `r0` and channel `c0`.
+fn forward_tiles(spec: &Spec) -> TokenStream {
+    let cols = reachable(spec.out_channels, COLS);
+    let rows: Vec<usize> = (1..=ROWS).rev().collect();
+    let arms = (0..rows.len()).flat_map(|i| {
+        let (rows, cols) = (&rows, &cols);
+        (0..cols.len()).map(move |j| {
+            let (r_pat, c_pat) = (pattern(rows, i), pattern(cols, j));
+            let (r, c) = (lit(rows[i]), lit(cols[j]));
+            quote!((#r_pat, #c_pat) => __dense_tile::<__S, #r, #c>(xr, wc, &mut put),)
+        })
+    });
+    quote! {
+        match (rs, cs) {
+            #(#arms)*
+        }
     }
 }
