@@ -505,7 +505,7 @@ fn reachable(total: usize, tile: usize) -> Vec<usize> {
 
 /// Whether a stripe of `VECS` vectors is whole: always, unless the inputs end inside one.
 fn full_stripes(spec: &Spec) -> Vec<bool> {
-    if spec.input[2] % (VECS * spec.dtype.lanes()) == 0 {
+    if spec.input[2].is_multiple_of(VECS * spec.dtype.lanes()) {
         vec![true]
     } else {
         vec![true, false]
