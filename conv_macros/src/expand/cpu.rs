@@ -162,7 +162,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let layer = &spec.ident;
     let block_calls = blk.calls("tile", true, |tile, first| {
         quote! {
-            #tile::<__S, { __RELU }>(&xs, w.add(__WINDOW * #first), w.add(__BIAS_OFFSET + #first), out.add(#first));
+            #tile::<__S>(&xs, w.add(__WINDOW * #first), w.add(__BIAS_OFFSET + #first), out.add(#first), relu);
         }
     });
     let block = lit(blk.v * blk.lanes);
@@ -189,18 +189,20 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let kernel = dispatched(
         spec.dtype,
         "conv_tiles",
-        quote!(const __B: usize, const __RELU: bool),
-        quote!({ __B }, { __RELU }),
+        TokenStream::new(),
+        TokenStream::new(),
         quote! {
             x: &[__A], w: &[__A], y: #rt::Shared<'_, __A>, tail: &mut [__A],
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
-            tiles: ::core::ops::Range<usize>,
+            tiles: ::core::ops::Range<usize>, relu: bool,
         },
-        quote!(x, w, y, tail, epilogue, tiles),
+        quote!(x, w, y, tail, epilogue, tiles, relu),
         quote! {
-            ::core::debug_assert!(x.len() >= __B * __XH * __XW * __IC && w.len() == __PACKED_LEN);
-            ::core::debug_assert!(y.len() == __B * __NPIX * __OC && tail.len() == __P * __OC);
-            let total = __B * __NPIX;
+            // The batch and the ReLU are arguments, not constants: one instantiation serves
+            // every call of the layer.
+            let total = y.len() / __OC;
+            ::core::debug_assert!(x.len() >= total / __NPIX * __XH * __XW * __IC && w.len() == __PACKED_LEN);
+            ::core::debug_assert!(total % __NPIX == 0 && tail.len() == __P * __OC);
             let (x, w) = (x.as_ptr(), w.as_ptr());
             for tile in tiles {
                 let q0 = tile * __P;
@@ -263,7 +265,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 // disjoint, every slice has the length the kernel is built on (checked in debug).
                 unsafe {
                     let tail = tails.part(range.start * __P * __OC, __P * __OC);
-                    __conv_tiles::<{ __B }, { __RELU }>(xa, w, ya, tail, epilogue, first..end);
+                    __conv_tiles(xa, w, ya, tail, epilogue, first..end, __RELU);
                 }
             });
         }
@@ -337,15 +339,15 @@ fn forward_tile(spec: &Spec, blk: &Blocking, nv: usize, last_lanes: usize) -> To
             None => quote!(#acc.store(y.add(#off));),
         };
         quote! {
-            if __RELU { #acc = #acc.max(__S::zero()); }
+            if relu { #acc = #acc.max(__S::zero()); }
             #store
         }
     });
     let rows = (0..p).map(lit);
     quote! {
         #[inline(always)]
-        unsafe fn #name<__S: #rt::Simd<Elem = __A>, const __RELU: bool>(
-            xs: &[*const __A; __P], w: *const __A, bias: *const __A, y: *mut __A,
+        unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
+            xs: &[*const __A; __P], w: *const __A, bias: *const __A, y: *mut __A, relu: bool,
         ) {
             #init
             for kh in 0..__KH {

@@ -271,19 +271,21 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
     let kernel = dispatched(
         spec.dtype,
         "wino_tiles",
-        quote!(const __B: usize, const __RELU: bool),
-        quote!({ __B }, { __RELU }),
+        TokenStream::new(),
+        TokenStream::new(),
         quote! {
             x: &[__T], xs: &mut [__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: #rt::Shared<'_, __A>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
-            tile_rows: ::core::ops::Range<usize>,
+            tile_rows: ::core::ops::Range<usize>, relu: bool,
         },
-        quote!(x, xs, u, v, m, y, epilogue, tile_rows),
+        quote!(x, xs, u, v, m, y, epilogue, tile_rows, relu),
         quote! {
-            ::core::debug_assert!(x.len() == __B * __IMAGE && xs.len() >= __XS_LEN);
+            // The batch and the ReLU are arguments, not constants: one instantiation serves
+            // every call of the layer.
+            ::core::debug_assert!(x.len() % __IMAGE == 0 && xs.len() >= __XS_LEN);
             ::core::debug_assert!(u.len() == __U_LEN + __OC);
             ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && m.len() >= __ELEMS * __WCT * __OC);
-            ::core::debug_assert!(y.len() == __B * __NPIX * __OC);
+            ::core::debug_assert!(y.len() == x.len() / __IMAGE * __NPIX * __OC);
             let (u, vp, mp) = (u.as_ptr(), v.as_mut_ptr(), m.as_mut_ptr());
             let bias = u.add(__U_LEN);
             // This worker's tile rows, in chunks from its first: the first stages the image it
@@ -323,7 +325,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                         for r in 0..down {
                             for c in 0..right {
                                 let mut value = out[r][c].add(b);
-                                if __RELU { value = value.max(__S::zero()); }
+                                if relu { value = value.max(__S::zero()); }
                                 value.store(base.add((r * __OW + c) * __OC + k));
                             }
                         }
@@ -454,7 +456,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     let (xs, rest) = scratch.split_at_mut(__XS_LEN);
                     let (v, m) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
                     let tile_rows = range.start * rows / parts..range.end * rows / parts;
-                    __wino_tiles::<{ __B }, { __RELU }>(x, xs, packed, v, m, y, epilogue, tile_rows);
+                    __wino_tiles(x, xs, packed, v, m, y, epilogue, tile_rows, __RELU);
                 }
             });
         }
