@@ -31,11 +31,8 @@ run() {
 
 # Everything, with the oneDNN backend and the CUDA kernels' compile checks.
 run cargo test --workspace --release --features $features
-# The numeric suites again with the portable kernels (CPUs without AVX2+FMA), and with the
-# AVX2 kernels limited to 16 registers (CPUs without AVX-512VL; where the CPU has no AVX2 this
-# repeats the portable run).
-CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward
-CONV2D_SIMD=avx2 run cargo test --release --features $features --test conformance_training --test specs_forward
+# The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
+CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward --test network
 # The numeric suites on a 2-thread device that splits every call (tests/common: `cpu()`), so the
 # parallel paths meet the references too (tests/threads.rs holds them to the 1-thread bits).
 CONV2D_TEST_THREADS=2 run cargo test --release --features $features --test conformance_forward \

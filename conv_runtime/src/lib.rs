@@ -122,7 +122,7 @@ pub mod __private {
     pub use crate::network::{view, view_mut, Dense, DenseWeights, Entries, EntryInfo, EntryKind};
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
-    pub use crate::simd::{self, avx2_fma, avx512vl, Simd};
+    pub use crate::simd::{self, avx2_fma, Simd};
     pub use crate::winograd;
     pub use crate::{
         bf16, f16, Cpu, Element, Error, Matrix, Mode, NetworkDevice, ParamTensor, Parameters, Real,

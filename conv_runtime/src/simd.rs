@@ -115,35 +115,10 @@ pub fn avx2_fma() -> bool {
     })
 }
 
-/// Whether the AVX2 kernels run in their AVX-512VL instantiation: the same 256-bit operations
-/// with 32 vector registers instead of 16, so that register tiles and their operands never
-/// spill. Where the CPU has AVX-512F and VL, unless `CONV2D_SIMD=avx2` (or `portable`) asks
-/// otherwise. Decided once per process.
-#[inline]
-pub fn avx512vl() -> bool {
-    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        let avx2_only = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "avx2");
-        avx2_fma() && !avx2_only && detected_avx512vl()
-    })
-}
-
 fn detected() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         std::arch::is_x86_feature_detected!("avx2") && std::arch::is_x86_feature_detected!("fma")
-    }
-    #[cfg(not(target_arch = "x86_64"))]
-    {
-        false
-    }
-}
-
-fn detected_avx512vl() -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl")
     }
     #[cfg(not(target_arch = "x86_64"))]
     {

@@ -225,8 +225,13 @@ pub fn write_accumulators(
     quote!(#(#writes)*)
 }
 
-/// `name_kernel::<S, ..>` (the body, generic over the vectors), `name_avx2` and `name`, the
-/// dispatcher. `generics` are extra const generics (`const N: usize, ...`), `args` their names.
+/// `name_kernel::<S, ..>` (the body, generic over the vectors), `name_avx2`, `name_portable`
+/// and `name`, the dispatcher. `generics` are extra const generics (`const N: usize, ...`),
+/// `args` their names.
+///
+/// No AVX-512 instantiation: one of every AVX2 kernel with AVX-512VL's 32 registers ran no
+/// faster on any benchmarked layer or network (`CONV2D_SIMD=avx2` beside the default, on Zen 4),
+/// and was one more copy of every kernel to compile.
 pub fn dispatched(
     dtype: Dtype,
     name: &str,
@@ -241,7 +246,7 @@ pub fn dispatched(
     let name = format_ident!("__{}", name);
     let kernel = format_ident!("{}_kernel", name);
     let avx2_fn = format_ident!("{}_avx2", name);
-    let avx512_fn = format_ident!("{}_avx512vl", name);
+    let portable_fn = format_ident!("{}_portable", name);
     quote! {
         #[inline(always)]
         unsafe fn #kernel<__S: #rt::Simd<Elem = __A>, #generics>(#params) {
@@ -254,11 +259,11 @@ pub fn dispatched(
             #kernel::<#avx2, #generic_args>(#args)
         }
 
-        /// The AVX2 kernel with AVX-512VL's 32 registers (no spills).
-        #[cfg(target_arch = "x86_64")]
-        #[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
-        unsafe fn #avx512_fn<#generics>(#params) {
-            #kernel::<#avx2, #generic_args>(#args)
+        /// The kernel for CPUs without AVX2 and FMA, compiled once: not inlined into every
+        /// caller of the dispatcher.
+        #[inline(never)]
+        unsafe fn #portable_fn<#generics>(#params) {
+            #kernel::<#portable, #generic_args>(#args)
         }
 
         /// # Safety
@@ -267,14 +272,11 @@ pub fn dispatched(
         unsafe fn #name<#generics>(#params) {
             #[cfg(target_arch = "x86_64")]
             {
-                if #rt::avx512vl() {
-                    return #avx512_fn::<#generic_args>(#args);
-                }
                 if #rt::avx2_fma() {
                     return #avx2_fn::<#generic_args>(#args);
                 }
             }
-            #kernel::<#portable, #generic_args>(#args)
+            #portable_fn::<#generic_args>(#args)
         }
     }
 }
