@@ -210,6 +210,9 @@ pub const dnnl_eltwise_sqrt_use_dst_for_bwd: dnnl_alg_kind_t = 0x103;
 pub const dnnl_eltwise_logistic_use_dst_for_bwd: dnnl_alg_kind_t = 0x104;
 pub const dnnl_eltwise_exp_use_dst_for_bwd: dnnl_alg_kind_t = 0x105;
 pub const dnnl_eltwise_clip_v2_use_dst_for_bwd: dnnl_alg_kind_t = 0x106;
+pub const dnnl_pooling_max: dnnl_alg_kind_t = 0x1ff;
+pub const dnnl_pooling_avg_include_padding: dnnl_alg_kind_t = 0x2ff;
+pub const dnnl_pooling_avg_exclude_padding: dnnl_alg_kind_t = 0x3ff;
 
 /// `dnnl_normalization_flags_t`; passed to the batch-normalization functions as `unsigned`.
 pub type dnnl_normalization_flags_t = c_uint;
@@ -368,6 +371,8 @@ api! {
     dnnl_batch_normalization_backward_primitive_desc_create(primitive_desc: *mut dnnl_primitive_desc_t, engine: dnnl_engine_t, prop_kind: dnnl_prop_kind_t, diff_src_desc: const_dnnl_memory_desc_t, diff_dst_desc: const_dnnl_memory_desc_t, src_desc: const_dnnl_memory_desc_t, epsilon: c_float, flags: c_uint, hint_fwd_pd: const_dnnl_primitive_desc_t, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
     dnnl_eltwise_forward_primitive_desc_create(primitive_desc: *mut dnnl_primitive_desc_t, engine: dnnl_engine_t, prop_kind: dnnl_prop_kind_t, alg_kind: dnnl_alg_kind_t, src_desc: const_dnnl_memory_desc_t, dst_desc: const_dnnl_memory_desc_t, alpha: c_float, beta: c_float, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
     dnnl_eltwise_backward_primitive_desc_create(primitive_desc: *mut dnnl_primitive_desc_t, engine: dnnl_engine_t, alg_kind: dnnl_alg_kind_t, diff_src_desc: const_dnnl_memory_desc_t, diff_dst_desc: const_dnnl_memory_desc_t, data_desc: const_dnnl_memory_desc_t, alpha: c_float, beta: c_float, hint_fwd_pd: const_dnnl_primitive_desc_t, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
+    dnnl_pooling_forward_primitive_desc_create(primitive_desc: *mut dnnl_primitive_desc_t, engine: dnnl_engine_t, prop_kind: dnnl_prop_kind_t, alg_kind: dnnl_alg_kind_t, src_desc: const_dnnl_memory_desc_t, dst_desc: const_dnnl_memory_desc_t, strides: *const dnnl_dim_t, kernel: *const dnnl_dim_t, dilation: *const dnnl_dim_t, padding_l: *const dnnl_dim_t, padding_r: *const dnnl_dim_t, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
+    dnnl_pooling_backward_primitive_desc_create(primitive_desc: *mut dnnl_primitive_desc_t, engine: dnnl_engine_t, alg_kind: dnnl_alg_kind_t, diff_src_desc: const_dnnl_memory_desc_t, diff_dst_desc: const_dnnl_memory_desc_t, strides: *const dnnl_dim_t, kernel: *const dnnl_dim_t, dilation: *const dnnl_dim_t, padding_l: *const dnnl_dim_t, padding_r: *const dnnl_dim_t, hint_fwd_pd: const_dnnl_primitive_desc_t, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
     dnnl_reorder_primitive_desc_create(reorder_primitive_desc: *mut dnnl_primitive_desc_t, src_desc: const_dnnl_memory_desc_t, src_engine: dnnl_engine_t, dst_desc: const_dnnl_memory_desc_t, dst_engine: dnnl_engine_t, attr: const_dnnl_primitive_attr_t) -> dnnl_status_t;
     dnnl_primitive_desc_query(primitive_desc: const_dnnl_primitive_desc_t, what: dnnl_query_t, index: c_int, result: *mut c_void) -> dnnl_status_t;
     dnnl_primitive_desc_query_md(primitive_desc: const_dnnl_primitive_desc_t, what: dnnl_query_t, index: c_int) -> const_dnnl_memory_desc_t;

@@ -654,6 +654,26 @@ impl Eltwise {
     }
 }
 
+/// Pooling algorithms.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum Pooling {
+    Max,
+    /// The divisor is the window's area, padded positions included (PyTorch's default).
+    AvgIncludePadding,
+    /// The divisor counts only the positions inside the input.
+    AvgExcludePadding,
+}
+
+impl Pooling {
+    fn raw(self) -> ffi::dnnl_alg_kind_t {
+        match self {
+            Pooling::Max => ffi::dnnl_pooling_max,
+            Pooling::AvgIncludePadding => ffi::dnnl_pooling_avg_include_padding,
+            Pooling::AvgExcludePadding => ffi::dnnl_pooling_avg_exclude_padding,
+        }
+    }
+}
+
 /// Batch-normalization flags, combined with `|`.
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Default)]
 pub struct NormFlags(u32);
@@ -1680,6 +1700,87 @@ pub fn eltwise_backward(
                     data.raw,
                     alpha,
                     beta,
+                    hint.0.raw,
+                    attr.raw,
+                )
+            )
+        }
+    })
+}
+
+/// A 2-D pooling, forward. `src` and `dst` use logical dims (N, C, H, W); `padding_l` and
+/// `padding_r` are (top, left) and (bottom, right). Max-pooling's training forward has a
+/// workspace (query [`Query::Workspace`]) that its backward takes.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_forward(
+    engine: &Engine,
+    prop: Prop,
+    alg: Pooling,
+    src: &MemoryDesc,
+    dst: &MemoryDesc,
+    strides: [i64; 2],
+    kernel: [i64; 2],
+    padding_l: [i64; 2],
+    padding_r: [i64; 2],
+    attr: &Attr,
+) -> Result<PrimitiveDesc> {
+    let (s, k, d) = (spatial(strides), spatial(kernel), spatial([0, 0]));
+    let (pl, pr) = (spatial(padding_l), spatial(padding_r));
+    PrimitiveDesc::create(engine, "pooling forward", None, |api| {
+        // SAFETY: every descriptor and the attr are live; the dims arrays hold
+        // DNNL_MAX_NDIMS entries (zero dilation: none).
+        unsafe {
+            create!(
+                api,
+                dnnl_pooling_forward_primitive_desc_create(
+                    engine.raw(),
+                    prop.raw(),
+                    alg.raw(),
+                    src.raw,
+                    dst.raw,
+                    s.as_ptr(),
+                    k.as_ptr(),
+                    d.as_ptr(),
+                    pl.as_ptr(),
+                    pr.as_ptr(),
+                    attr.raw,
+                )
+            )
+        }
+    })
+}
+
+/// A 2-D pooling's gradient with respect to its input, given the forward descriptor `hint`.
+#[allow(clippy::too_many_arguments)]
+pub fn pool_backward(
+    engine: &Engine,
+    alg: Pooling,
+    diff_src: &MemoryDesc,
+    diff_dst: &MemoryDesc,
+    strides: [i64; 2],
+    kernel: [i64; 2],
+    padding_l: [i64; 2],
+    padding_r: [i64; 2],
+    hint: &PrimitiveDesc,
+    attr: &Attr,
+) -> Result<PrimitiveDesc> {
+    let (s, k, d) = (spatial(strides), spatial(kernel), spatial([0, 0]));
+    let (pl, pr) = (spatial(padding_l), spatial(padding_r));
+    PrimitiveDesc::create(engine, "pooling backward", Some(hint), |api| {
+        // SAFETY: as in `pool_forward`; `hint` is a live forward descriptor.
+        unsafe {
+            create!(
+                api,
+                dnnl_pooling_backward_primitive_desc_create(
+                    engine.raw(),
+                    alg.raw(),
+                    diff_src.raw,
+                    diff_dst.raw,
+                    s.as_ptr(),
+                    k.as_ptr(),
+                    d.as_ptr(),
+                    pl.as_ptr(),
+                    pr.as_ptr(),
                     hint.0.raw,
                     attr.raw,
                 )
