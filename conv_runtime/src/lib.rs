@@ -119,7 +119,9 @@ pub mod __private {
     #[cfg(feature = "cuda")]
     pub use crate::cuda;
     pub use crate::init::kaiming_uniform;
-    pub use crate::network::{view, view_mut, Dense, DenseWeights, Entries, EntryInfo, EntryKind};
+    pub use crate::network::{
+        view, view_mut, Dense, DenseWeights, Entries, EntryInfo, EntryKind, PoolGeometry,
+    };
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, Simd};

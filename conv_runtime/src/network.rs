@@ -29,6 +29,47 @@ pub trait NetworkDevice {
     /// (oneDNN's fallbacks).
     #[doc(hidden)]
     fn __fallback(&mut self) {}
+
+    /// Average pooling of `batch` images (`x` and `y` NHWC) in the device's own library;
+    /// `None` where it has none for `A` (the generated code runs instead).
+    #[doc(hidden)]
+    fn __avg_pool_forward<A: 'static>(
+        &mut self,
+        _geometry: &PoolGeometry,
+        _batch: usize,
+        _x: &[A],
+        _y: &mut [A],
+    ) -> Option<crate::Result<()>> {
+        None
+    }
+
+    /// The gradient of average pooling at its input (overwritten), from the gradient at its
+    /// output, at the geometry's batch; `None` as in [`NetworkDevice::__avg_pool_forward`].
+    #[doc(hidden)]
+    fn __avg_pool_backward<A: 'static>(
+        &mut self,
+        _geometry: &PoolGeometry,
+        _dy: &[A],
+        _dx: &mut [A],
+    ) -> Option<crate::Result<()>> {
+        None
+    }
+}
+
+/// A pooling entry's sizes (NHWC maps, the network's training batch), as literals in a
+/// network's generated code: what a device's own pooling primitives are built from.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub struct PoolGeometry {
+    pub batch: usize,
+    pub in_h: usize,
+    pub in_w: usize,
+    pub channels: usize,
+    pub out_h: usize,
+    pub out_w: usize,
+    pub kernel: [usize; 2],
+    pub stride: [usize; 2],
+    /// Padding before (top, left); after, what the last window reaches past the input.
+    pub padding: [usize; 2],
 }
 
 /// Buffers a device keeps for networks, one per type (a network's per-batch workspaces).

@@ -577,6 +577,27 @@ fn gradient_init(e: &Entry) -> Option<TokenStream> {
     }
 }
 
+/// A pooling entry's call: average pooling in the device's own library where it has one for
+/// the element type (`own`, an `Option<Result<()>>`), else the generated kernel, counted as a
+/// fallback; max-pooling always the generated kernel (see `OneDnn`'s `NetworkDevice` docs).
+fn pool_call(kind: PoolKind, own: TokenStream, generated: TokenStream) -> TokenStream {
+    match kind {
+        PoolKind::Max => quote! {
+            device.__fallback();
+            #generated
+        },
+        PoolKind::Avg => quote! {
+            match #own {
+                ::core::option::Option::Some(__done) => __done?,
+                ::core::option::Option::None => {
+                    device.__fallback();
+                    #generated
+                }
+            }
+        },
+    }
+}
+
 /// The kernels of an entry that is not a layer: pooling, activation, the residual sum.
 fn kernels(net: &Network, e: &Entry) -> TokenStream {
     let rt = rt();
@@ -809,7 +830,24 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     },
                 ),
             };
+            let geometry = format_ident!("__GEOMETRY_{}", e.path);
+            let [gh, gw] = [padding[0], padding[1]].map(lit);
+            let [kh0, kw0, sh0, sw0] = [kernel[0], kernel[1], stride[0], stride[1]].map(lit);
+            let batch = lit(net.batch);
             quote! {
+                /// The entry's sizes, for a device's own pooling primitives.
+                pub const #geometry: #rt::PoolGeometry = #rt::PoolGeometry {
+                    batch: #batch,
+                    in_h: #ih,
+                    in_w: #iw,
+                    channels: #c,
+                    out_h: #oh,
+                    out_w: #ow,
+                    kernel: [#kh0, #kw0],
+                    stride: [#sh0, #sw0],
+                    padding: [#gh, #gw],
+                };
+
                 #what
                 pub fn #forward<const __B: usize>(
                     pool: &#rt::Pool,
@@ -953,12 +991,14 @@ fn emit_evaluate(
                 let layer = access(quote!(self), &e.path);
                 body.extend(quote!(#layer.evaluate(device, #cur, #dst)?;));
             }
-            Kind::Pool(..) => {
+            Kind::Pool(kind, _) => {
                 let f = format_ident!("__forward_{}", e.path);
-                body.extend(quote! {
-                    device.__fallback();
-                    #module::#f::<{ __B }>(device.__pool(), #cur.as_slice(), (#dst).as_mut_slice(), &mut []);
-                });
+                let g = format_ident!("__GEOMETRY_{}", e.path);
+                body.extend(pool_call(
+                    *kind,
+                    quote!(device.__avg_pool_forward(&#module::#g, __B, #cur.as_slice(), (#dst).as_mut_slice())),
+                    quote!(#module::#f::<{ __B }>(device.__pool(), #cur.as_slice(), (#dst).as_mut_slice(), &mut []);),
+                ));
             }
             Kind::Activation(_) => {
                 let f = format_ident!("__forward_{}", e.path);
@@ -1057,10 +1097,12 @@ fn emit_forward(
                     }
                     PoolKind::Avg => quote!(&mut []),
                 };
-                body.extend(quote! {
-                    device.__fallback();
-                    #module::#f::<#batch>(device.__pool(), #cur.as_slice(), state.#field.as_mut_slice(), #winners);
-                });
+                let g = format_ident!("__GEOMETRY_{}", e.path);
+                body.extend(pool_call(
+                    *kind,
+                    quote!(device.__avg_pool_forward(&#module::#g, #batch, #cur.as_slice(), state.#field.as_mut_slice())),
+                    quote!(#module::#f::<#batch>(device.__pool(), #cur.as_slice(), state.#field.as_mut_slice(), #winners);),
+                ));
             }
             Kind::Activation(_) => {
                 let f = format_ident!("__forward_{}", e.path);
@@ -1199,10 +1241,12 @@ fn emit_backward(
                     }
                     PoolKind::Avg => quote!(&[]),
                 };
-                body.extend(quote! {
-                    device.__fallback();
-                    #module::#f::<#batch>(device.__pool(), #grad.as_slice(), #winners, (#dst).as_mut_slice());
-                });
+                let g = format_ident!("__GEOMETRY_{}", e.path);
+                body.extend(pool_call(
+                    *kind,
+                    quote!(device.__avg_pool_backward(&#module::#g, #grad.as_slice(), (#dst).as_mut_slice())),
+                    quote!(#module::#f::<#batch>(device.__pool(), #grad.as_slice(), #winners, (#dst).as_mut_slice());),
+                ));
             }
             Kind::Activation(_) => {
                 let Some(dst) = &dst else { continue };

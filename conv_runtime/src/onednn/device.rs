@@ -12,6 +12,11 @@
 //! same two-pass algorithm as the CPU device, so both devices agree to rounding. Every operation
 //! that falls back is counted ([`OneDnn::fallbacks`]).
 //!
+//! In networks, `Dense` entries are layers (1x1 convolutions of a 1x1 map: oneDNN's convolution
+//! in f32); average pooling runs oneDNN's `pooling_avg_include_padding` primitives in f32 (built
+//! on first use per geometry, thread count and batch); max-pooling runs the generated code,
+//! counted, because oneDNN's own drops NaN (see the `NetworkDevice` impl).
+//!
 //! Primitives (inference per batch size, training forward, backward data, backward weights and
 //! the weight/gradient reorders) live in a `static` [`ConvSetup`] per layer type, built on a
 //! thread count's first use under a lock and shared by all devices and threads of that count.
@@ -23,12 +28,14 @@
 //! `omp_set_num_threads`, applied on the calling thread before each execution), and a layer
 //! type keeps one set of primitives per count, so devices of different counts coexist.
 
+use std::any::TypeId;
 use std::sync::{Arc, Mutex, OnceLock};
 
 use super::{
-    arg, Attr, DataType, Eltwise, Engine, FormatTag, Library, Memory, MemoryDesc, Primitive, Prop,
-    Stream,
+    arg, Attr, DataType, Eltwise, Engine, FormatTag, Library, Memory, MemoryDesc, Pooling,
+    Primitive, PrimitiveDesc, Prop, Stream,
 };
+use crate::network::PoolGeometry;
 use crate::{Cpu, Error, Result};
 
 /// A convolution's sizes, as literals in the generated code.
@@ -357,9 +364,90 @@ pub struct OneDnn {
     fallbacks: u64,
 }
 
-/// Networks run on oneDNN as their layers do; the code between layers (pooling, element-wise
-/// entries) is generated code on the device's CPU threads, pooling counted as a fallback.
+/// Average pooling's primitives, by (geometry, thread count, batch).
+type PoolForwards = Cache<(PoolGeometry, usize, usize), Primitive>;
+/// Its backward primitives, by (geometry, thread count), at the geometry's batch.
+type PoolBackwards = Cache<(PoolGeometry, usize), Primitive>;
+
+static POOL_FORWARD: PoolForwards = Cache::new();
+static POOL_BACKWARD: PoolBackwards = Cache::new();
+
+/// Logical (N, C, H, W) dims of a pooling's input and output, and the descriptors of both
+/// (NHWC, f32).
+fn pool_descs(
+    lib: &Library,
+    g: &PoolGeometry,
+    batch: usize,
+) -> Result<([i64; 4], [i64; 4], MemoryDesc, MemoryDesc)> {
+    let src = [batch, g.channels, g.in_h, g.in_w].map(|d| d as i64);
+    let dst = [batch, g.channels, g.out_h, g.out_w].map(|d| d as i64);
+    let md = |dims: &[i64]| MemoryDesc::new(lib, dims, DataType::F32, FormatTag::NHWC);
+    Ok((src, dst, md(&src)?, md(&dst)?))
+}
+
+/// Strides, kernel, padding before and after of a pooling, as the builders take them.
+fn pool_window(g: &PoolGeometry) -> [[i64; 2]; 4] {
+    let after = |o: usize, s: usize, k: usize, i: usize, p: usize| {
+        ((o - 1) * s + k) as i64 - i as i64 - p as i64
+    };
+    [
+        g.stride.map(|s| s as i64),
+        g.kernel.map(|k| k as i64),
+        g.padding.map(|p| p as i64),
+        [
+            after(g.out_h, g.stride[0], g.kernel[0], g.in_h, g.padding[0]),
+            after(g.out_w, g.stride[1], g.kernel[1], g.in_w, g.padding[1]),
+        ],
+    ]
+}
+
+/// The forward pooling descriptor of `batch` images.
+fn pool_forward_pd(engine: &Engine, g: &PoolGeometry, batch: usize) -> Result<PrimitiveDesc> {
+    let lib = engine.library();
+    let (_, _, src, dst) = pool_descs(lib, g, batch)?;
+    let [s, k, pl, pr] = pool_window(g);
+    super::pool_forward(
+        engine,
+        Prop::ForwardTraining,
+        Pooling::AvgIncludePadding,
+        &src,
+        &dst,
+        s,
+        k,
+        pl,
+        pr,
+        &Attr::new(lib)?,
+    )
+}
+
+/// Networks run on oneDNN as their layers do. Average pooling (f32) runs oneDNN's
+/// `pooling_avg_include_padding`, exactly the entry's definition; max-pooling runs the generated
+/// code, counted as a fallback: oneDNN leaves NaN inputs undefined (an all-NaN window gives
+/// -FLT_MAX), where the entry propagates NaN as PyTorch does, and its winners must be the ones
+/// the gradient goes to. The other code between layers (element-wise entries, residual sums,
+/// views) is generated code on the device's CPU threads, as on `Cpu`.
 impl crate::network::NetworkDevice for OneDnn {
+    fn __avg_pool_forward<A: 'static>(
+        &mut self,
+        geometry: &PoolGeometry,
+        batch: usize,
+        x: &[A],
+        y: &mut [A],
+    ) -> Option<Result<()>> {
+        let (x, y) = (as_f32(x)?, as_f32_mut(y)?);
+        Some(self.avg_pool_forward(geometry, batch, x, y))
+    }
+
+    fn __avg_pool_backward<A: 'static>(
+        &mut self,
+        geometry: &PoolGeometry,
+        dy: &[A],
+        dx: &mut [A],
+    ) -> Option<Result<()>> {
+        let (dy, dx) = (as_f32(dy)?, as_f32_mut(dx)?);
+        Some(self.avg_pool_backward(geometry, dy, dx))
+    }
+
     fn __pool(&self) -> &crate::cpu::Pool {
         self.cpu.__pool()
     }
@@ -375,6 +463,24 @@ impl crate::network::NetworkDevice for OneDnn {
     fn __fallback(&mut self) {
         self.fallbacks += 1;
     }
+}
+
+/// `x` as f32, where its elements are f32.
+fn as_f32<A: 'static>(x: &[A]) -> Option<&[f32]> {
+    if TypeId::of::<A>() != TypeId::of::<f32>() {
+        return None;
+    }
+    // SAFETY: `A` is `f32`.
+    Some(unsafe { std::slice::from_raw_parts(x.as_ptr().cast::<f32>(), x.len()) })
+}
+
+/// [`as_f32`], mutably.
+fn as_f32_mut<A: 'static>(x: &mut [A]) -> Option<&mut [f32]> {
+    if TypeId::of::<A>() != TypeId::of::<f32>() {
+        return None;
+    }
+    // SAFETY: `A` is `f32`.
+    Some(unsafe { std::slice::from_raw_parts_mut(x.as_mut_ptr().cast::<f32>(), x.len()) })
 }
 
 impl std::fmt::Debug for OneDnn {
@@ -512,6 +618,54 @@ impl OneDnn {
         // oneDNN writes only to destination arguments, which callers pass as `&mut`.
         unsafe { memory.set_data_handle(data as *mut _)? };
         Ok(memory)
+    }
+
+    /// Average pooling of `batch` images, NHWC.
+    fn avg_pool_forward(
+        &mut self,
+        g: &PoolGeometry,
+        batch: usize,
+        x: &[f32],
+        y: &mut [f32],
+    ) -> Result<()> {
+        let engine = self.engine.clone();
+        let key = (*g, engine.threads(), batch);
+        let primitive = POOL_FORWARD.get(key, "pooling primitives", || {
+            Primitive::new(&pool_forward_pd(&engine, g, batch)?)
+        })?;
+        let (src_dims, dst_dims, _, _) = pool_descs(engine.library(), g, batch)?;
+        let src = self.lend(&src_dims, FormatTag::NHWC, x.as_ptr())?;
+        let dst = self.lend(&dst_dims, FormatTag::NHWC, y.as_mut_ptr())?;
+        primitive.execute(&self.stream, &[(arg::SRC, &src), (arg::DST, &dst)])
+    }
+
+    /// The gradient of average pooling at its input (NHWC, overwritten), at the training batch.
+    fn avg_pool_backward(&mut self, g: &PoolGeometry, dy: &[f32], dx: &mut [f32]) -> Result<()> {
+        let engine = self.engine.clone();
+        let primitive = POOL_BACKWARD.get((*g, engine.threads()), "pooling primitives", || {
+            let hint = pool_forward_pd(&engine, g, g.batch)?;
+            let (_, _, src, dst) = pool_descs(engine.library(), g, g.batch)?;
+            let [s, k, pl, pr] = pool_window(g);
+            Primitive::new(&super::pool_backward(
+                &engine,
+                Pooling::AvgIncludePadding,
+                &src,
+                &dst,
+                s,
+                k,
+                pl,
+                pr,
+                &hint,
+                &Attr::new(engine.library())?,
+            )?)
+        })?;
+        let (src_dims, dst_dims, _, _) = pool_descs(engine.library(), g, g.batch)?;
+        let diff_dst = self.lend(&dst_dims, FormatTag::NHWC, dy.as_ptr())?;
+        let diff_src = self.lend(&src_dims, FormatTag::NHWC, dx.as_mut_ptr())?;
+        primitive.execute(
+            &self.stream,
+            &[(arg::DIFF_DST, &diff_dst), (arg::DIFF_SRC, &diff_src)],
+        )
     }
 
     /// Convolution + bias of `batch` images (`x` NHWC) into `y` (NHWC): the inference primitive
