@@ -1575,6 +1575,99 @@ pub fn conv_backward_weights(
     })
 }
 
+/// An inner product (a dense layer), forward: `src` (N, C) or (N, C, H, W), `weights` (OC, C)
+/// or (OC, C, H, W) (`FormatTag::ANY`: the layout the kernel prefers), `bias` (OC), `dst`
+/// (N, OC).
+pub fn inner_product_forward(
+    engine: &Engine,
+    prop: Prop,
+    src: &MemoryDesc,
+    weights: &MemoryDesc,
+    bias: Option<&MemoryDesc>,
+    dst: &MemoryDesc,
+    attr: &Attr,
+) -> Result<PrimitiveDesc> {
+    PrimitiveDesc::create(engine, "inner product forward", None, |api| {
+        // SAFETY: every descriptor and the attr are live (a null bias: none).
+        unsafe {
+            create!(
+                api,
+                dnnl_inner_product_forward_primitive_desc_create(
+                    engine.raw(),
+                    prop.raw(),
+                    src.raw,
+                    weights.raw,
+                    opt_md(bias),
+                    dst.raw,
+                    attr.raw,
+                )
+            )
+        }
+    })
+}
+
+/// An inner product's gradient with respect to its input, given the forward descriptor `hint`.
+pub fn inner_product_backward_data(
+    engine: &Engine,
+    diff_src: &MemoryDesc,
+    weights: &MemoryDesc,
+    diff_dst: &MemoryDesc,
+    hint: &PrimitiveDesc,
+    attr: &Attr,
+) -> Result<PrimitiveDesc> {
+    PrimitiveDesc::create(engine, "inner product backward data", Some(hint), |api| {
+        // SAFETY: every descriptor, the hint and the attr are live.
+        unsafe {
+            create!(
+                api,
+                dnnl_inner_product_backward_data_primitive_desc_create(
+                    engine.raw(),
+                    diff_src.raw,
+                    weights.raw,
+                    diff_dst.raw,
+                    hint.0.raw,
+                    attr.raw,
+                )
+            )
+        }
+    })
+}
+
+/// An inner product's gradient with respect to its weights (and bias, if `diff_bias`), given
+/// the forward descriptor `hint`.
+pub fn inner_product_backward_weights(
+    engine: &Engine,
+    src: &MemoryDesc,
+    diff_weights: &MemoryDesc,
+    diff_bias: Option<&MemoryDesc>,
+    diff_dst: &MemoryDesc,
+    hint: &PrimitiveDesc,
+    attr: &Attr,
+) -> Result<PrimitiveDesc> {
+    PrimitiveDesc::create(
+        engine,
+        "inner product backward weights",
+        Some(hint),
+        |api| {
+            // SAFETY: every descriptor, the hint and the attr are live (a null bias: none).
+            unsafe {
+                create!(
+                    api,
+                    dnnl_inner_product_backward_weights_primitive_desc_create(
+                        engine.raw(),
+                        src.raw,
+                        diff_weights.raw,
+                        opt_md(diff_bias),
+                        diff_dst.raw,
+                        hint.0.raw,
+                        attr.raw,
+                    )
+                )
+            }
+        },
+    )
+}
+
 /// Batch normalization, forward. `ForwardTraining` computes batch statistics into
 /// `arg::MEAN`/`arg::VARIANCE` (unless `USE_GLOBAL_STATS`); `ForwardInference` with
 /// `USE_GLOBAL_STATS` takes them as inputs.
