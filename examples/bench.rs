@@ -22,9 +22,11 @@ use conv_runtime::prelude::*;
 use std::hint::black_box;
 use std::time::{Duration, Instant};
 
-// The suite: DQN "Nature" trunk (84x84 Atari frames), a CIFAR stem, a strided 16x16 layer, a
-// tiny single-channel layer where per-call overhead dominates, and a ResNet-50 body layer where
-// arithmetic dominates. Training batch 32 (ResNet 8, to keep the run short).
+// The suite: DQN "Nature" trunk (84x84 Atari frames) and its first dense layer (a 1x1
+// convolution of a 1x1 map: the generated dense kernels, oneDNN's inner product), a CIFAR stem,
+// a strided 16x16 layer, a tiny single-channel layer where per-call overhead dominates, and a
+// ResNet-50 body layer where arithmetic dominates. Training batch 32 (ResNet 8, to keep the run
+// short).
 
 conv_runtime::conv2d! {
     pub struct Nature1 {
@@ -41,6 +43,12 @@ conv_runtime::conv2d! {
 conv_runtime::conv2d! {
     pub struct Nature3 {
         input: [9, 9, 64], out_channels: 64, kernel: 3, stride: 1, activation: Relu,
+        batch: 32, dtype: f32,
+    }
+}
+conv_runtime::conv2d! {
+    pub struct NatureFc {
+        input: [1, 1, 3136], out_channels: 512, kernel: 1, activation: Relu,
         batch: 32, dtype: f32,
     }
 }
@@ -272,6 +280,7 @@ fn run_suite(bench: &mut Bench) {
     shape!("nature1": Nature1 / Nature1Grads / Nature1State, eval_batches [1, 32]);
     shape!("nature2": Nature2 / Nature2Grads / Nature2State, eval_batches [1, 32]);
     shape!("nature3": Nature3 / Nature3Grads / Nature3State, eval_batches [1, 32]);
+    shape!("nature_fc": NatureFc / NatureFcGrads / NatureFcState, eval_batches [1, 32]);
     shape!("cifar1": Cifar1 / Cifar1Grads / Cifar1State, eval_batches [1, 32]);
     shape!("bn16": Bn16 / Bn16Grads / Bn16State, eval_batches [1, 32]);
     shape!("tiny": Tiny / TinyGrads / TinyState, eval_batches [1, 32]);
