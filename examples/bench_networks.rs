@@ -13,6 +13,11 @@
 //! Prints a table (median of 5 repetitions of about 0.3 s each, and the repetitions' spread)
 //! and one `BENCH_JSON` line per row. `scripts/bench_pytorch.py --networks` times PyTorch's same
 //! `nn.Sequential` networks and prints the same lines with `"backend": "pytorch"`.
+//!
+//! Built with `--features onednn` (and `ONEDNN_LIB_DIR` set), each network also runs on the
+//! `OneDnn` device right after the `Cpu` one (backend `onednn`: its convolutions, inner products
+//! and average pooling in oneDNN, the rest generated code; Adam on a `Cpu` of the same thread
+//! count), and a table of oneDNN's time over ours follows; `--no-onednn` leaves it out.
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -149,6 +154,7 @@ fn bench_sparse(threads: usize) -> conv_runtime::Result<Vec<Row>> {
             network: "fc1024",
             op,
             batch: 32,
+            backend: "cpu",
             threads,
             us,
             spread,
@@ -192,6 +198,7 @@ fn bench_pool(threads: usize) -> conv_runtime::Result<Vec<Row>> {
             network: "pool",
             op,
             batch: 0,
+            backend: "cpu",
             threads,
             us,
             spread,
@@ -224,16 +231,18 @@ fn time(mut f: impl FnMut() -> conv_runtime::Result<()>) -> conv_runtime::Result
     Ok((median, (reps[4] - reps[0]) / median))
 }
 
-/// Times one network at one thread count: a row per operation.
+/// Times one network at one thread count on one device (`cpu` or `onednn`; Adam steps on
+/// `stepper`, a `Cpu`): a row per operation.
 macro_rules! bench_network {
-    ($net:ident, $grads:ident, $state:ident, $input:ident, $output:ident, $name:expr, $threads:expr) => {{
+    ($net:ident, $grads:ident, $state:ident, $input:ident, $output:ident, $name:expr, $threads:expr,
+     $backend:literal, $cpu:ident = $device:expr, stepper: $stepper:expr) => {{
         let threads: usize = $threads;
-        let mut cpu = Cpu::with_threads(threads)?;
+        let mut $cpu = $device;
         let mut rng = Rng::seed_from_u64(1);
         let mut net = $net::new(&mut rng);
         let x1 = $input::<1>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
         let mut y1 = $output::<1>::zeros();
-        let act = time(|| net.evaluate(&mut cpu, black_box(&x1), &mut y1))?;
+        let act = time(|| net.evaluate(&mut $cpu, black_box(&x1), &mut y1))?;
         let x = $input::<32>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
         let d_output = $output::<32>::from_vec(
             (0..$output::<32>::LEN)
@@ -244,12 +253,12 @@ macro_rules! bench_network {
         let mut adam = Adam::new(1e-4);
         // One step, with the instants its parts end at.
         let mut step_marked = || -> conv_runtime::Result<[Instant; 3]> {
-            net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train)?;
+            net.forward(&mut $cpu, black_box(&x), &mut state, Mode::Train)?;
             let forward = Instant::now();
             grads.zero();
-            net.backward(&mut cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
+            net.backward(&mut $cpu, &state, &x, &d_output, &mut grads, Mode::Train)?;
             let backward = Instant::now();
-            adam.step_on(&cpu, &mut net, &grads);
+            adam.step_on($stepper, &mut net, &grads);
             Ok([forward, backward, Instant::now()])
         };
         let step = time(|| step_marked().map(|_| ()))?;
@@ -269,6 +278,7 @@ macro_rules! bench_network {
             network: $name,
             op,
             batch,
+            backend: $backend,
             threads,
             us,
             spread,
@@ -300,54 +310,69 @@ struct Row {
     network: &'static str,
     op: &'static str,
     batch: usize,
+    backend: &'static str,
     threads: usize,
     us: f64,
     spread: f64,
 }
 
-fn run(threads: &[usize], filter: Option<&str>) -> conv_runtime::Result<Vec<Row>> {
+fn run(threads: &[usize], filter: Option<&str>, onednn: bool) -> conv_runtime::Result<Vec<Row>> {
     let mut rows = Vec::new();
     let wanted = |name: &str| filter.is_none_or(|f| name.contains(f));
+    // Each network on the CPU device, then at once on oneDNN, so that both see the same machine.
+    macro_rules! network {
+        ($net:ident, $grads:ident, $state:ident, $input:ident, $output:ident, $name:literal, $t:expr) => {
+            if wanted($name) {
+                rows.extend(bench_network!(
+                    $net, $grads, $state, $input, $output, $name, $t,
+                    "cpu", cpu = Cpu::with_threads($t)?, stepper: &cpu
+                ));
+                #[cfg(feature = "onednn")]
+                if onednn {
+                    let stepper = Cpu::with_threads($t)?;
+                    rows.extend(bench_network!(
+                        $net, $grads, $state, $input, $output, $name, $t,
+                        "onednn", device = OneDnn::with_threads($t)?, stepper: &stepper
+                    ));
+                }
+            }
+        };
+    }
+    let _ = onednn;
     for &t in threads {
-        if wanted("nature_dqn") {
-            rows.extend(bench_network!(
-                NatureDqn,
-                NatureDqnGrads,
-                NatureDqnState,
-                NatureDqnInput,
-                NatureDqnOutput,
-                "nature_dqn",
-                t
-            ));
-        }
-        if wanted("impala") {
-            rows.extend(bench_network!(
-                Impala,
-                ImpalaGrads,
-                ImpalaState,
-                ImpalaInput,
-                ImpalaOutput,
-                "impala",
-                t
-            ));
-        }
+        network!(
+            NatureDqn,
+            NatureDqnGrads,
+            NatureDqnState,
+            NatureDqnInput,
+            NatureDqnOutput,
+            "nature_dqn",
+            t
+        );
+        network!(
+            Impala,
+            ImpalaGrads,
+            ImpalaState,
+            ImpalaInput,
+            ImpalaOutput,
+            "impala",
+            t
+        );
         if wanted("pool") {
             rows.extend(bench_pool(t)?);
         }
         if wanted("fc1024") {
             rows.extend(bench_sparse(t)?);
         }
-        if wanted("minatar_dqn") {
-            rows.extend(bench_network!(
-                MinAtarDqn,
-                MinAtarDqnGrads,
-                MinAtarDqnState,
-                MinAtarDqnInput,
-                MinAtarDqnOutput,
-                "minatar_dqn",
-                t
-            ));
-        }
+        network!(
+            MinAtarDqn,
+            MinAtarDqnGrads,
+            MinAtarDqnState,
+            MinAtarDqnInput,
+            MinAtarDqnOutput,
+            "minatar_dqn",
+            t
+        );
     }
     Ok(rows)
 }
@@ -366,6 +391,7 @@ fn parse_threads(text: &str) -> Result<Vec<usize>, String> {
 fn main() -> ExitCode {
     let mut threads = vec![1];
     let mut filter = None;
+    let mut onednn = cfg!(feature = "onednn");
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -380,36 +406,67 @@ fn main() -> ExitCode {
                     return ExitCode::FAILURE;
                 }
             },
+            "--no-onednn" => onednn = false,
             "--help" | "-h" => {
-                println!("usage: bench_networks [--threads 1,2] [NAME_FILTER]");
+                println!("usage: bench_networks [--threads 1,2] [--no-onednn] [NAME_FILTER]");
                 return ExitCode::SUCCESS;
             }
             other => filter = Some(other.to_string()),
         }
     }
-    let rows = match run(&threads, filter.as_deref()) {
+    let rows = match run(&threads, filter.as_deref(), onednn) {
         Ok(rows) => rows,
         Err(e) => {
             eprintln!("bench_networks: {e}");
             return ExitCode::FAILURE;
         }
     };
-    println!("network       op             batch threads      us/call  spread");
+    println!("network       op             batch backend threads      us/call  spread");
     for r in &rows {
         println!(
-            "{:<13} {:<14} {:>5} {:>7} {:>12.1} {:>6.1}%",
+            "{:<13} {:<14} {:>5} {:<7} {:>7} {:>12.1} {:>6.1}%",
             r.network,
             r.op,
             r.batch,
+            r.backend,
             r.threads,
             r.us,
             r.spread * 100.0
         );
     }
+    let ratios: Vec<(&Row, &Row)> = rows
+        .iter()
+        .filter(|r| r.backend == "onednn")
+        .filter_map(|d| {
+            rows.iter()
+                .find(|c| {
+                    c.backend == "cpu"
+                        && (c.network, c.op, c.batch, c.threads)
+                            == (d.network, d.op, d.batch, d.threads)
+                })
+                .map(|c| (c, d))
+        })
+        .collect();
+    if !ratios.is_empty() {
+        println!("\nours vs oneDNN (oneDNN time / ours: above 1, ours is faster)");
+        println!("network       op             batch threads    onednn us      cpu us   ratio");
+        for (c, d) in &ratios {
+            println!(
+                "{:<13} {:<14} {:>5} {:>7} {:>12.1} {:>12.1} {:>6.2}x",
+                c.network,
+                c.op,
+                c.batch,
+                c.threads,
+                d.us,
+                c.us,
+                d.us / c.us
+            );
+        }
+    }
     for r in &rows {
         println!(
-            "BENCH_JSON {{\"network\":\"{}\",\"op\":\"{}\",\"batch\":{},\"backend\":\"cpu\",\"threads\":{},\"us\":{:.2},\"spread\":{:.4}}}",
-            r.network, r.op, r.batch, r.threads, r.us, r.spread
+            "BENCH_JSON {{\"network\":\"{}\",\"op\":\"{}\",\"batch\":{},\"backend\":\"{}\",\"threads\":{},\"us\":{:.2},\"spread\":{:.4}}}",
+            r.network, r.op, r.batch, r.backend, r.threads, r.us, r.spread
         );
     }
     ExitCode::SUCCESS
