@@ -855,17 +855,21 @@ macro_rules! wide_case {
                     "evaluate, call {call}"
                 );
             }
+            // A row alone is shared out by output channels where there are threads for them.
+            let mut threads = Cpu::with_threads(3).unwrap().__split_everything();
             for r in [0, 4, 10, 17, 69] {
                 let row =
                     $input::<1>::from_vec(xs.as_slice()[r * WIDE_IN..(r + 1) * WIDE_IN].to_vec())
                         .unwrap();
-                let mut y1 = $output::<1>::zeros();
-                net.evaluate(&mut cpu, &row, &mut y1).unwrap();
-                assert_eq!(
-                    y1.as_slice(),
-                    &whole.as_slice()[r * WIDE_OUT..(r + 1) * WIDE_OUT],
-                    "row {r} alone"
-                );
+                for device in [&mut cpu, &mut threads] {
+                    let mut y1 = $output::<1>::zeros();
+                    net.evaluate(device, &row, &mut y1).unwrap();
+                    assert_eq!(
+                        y1.as_slice(),
+                        &whole.as_slice()[r * WIDE_OUT..(r + 1) * WIDE_OUT],
+                        "row {r} alone"
+                    );
+                }
             }
             for ((what, g), e) in ["output", "d_input", "fc.weights", "fc.biases"]
                 .iter()

@@ -39,6 +39,9 @@ pub fn applies(spec: &Spec) -> bool {
 /// rows' input vectors and one weight vector, 16 registers).
 const ROWS: usize = 3;
 const COLS: usize = 4;
+/// Output channels per part where a forward pass has too few rows for the threads: a multiple
+/// of `COLS`, so that every part but the last takes whole tiles.
+const CBLOCK: usize = 8 * COLS;
 /// Rows (or output channels) and input vectors of a gradient register tile: 12 accumulators,
 /// the rows' broadcasts and one vector of the other operand, 16 registers.
 const TILE_ROWS: usize = 3;
@@ -53,6 +56,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let rt = rt();
     let layer = &spec.ident;
     let (rows, cols, vecs, tile_rows) = (lit(ROWS), lit(COLS), lit(VECS), lit(TILE_ROWS));
+    let cblock = lit(CBLOCK);
     let mask_cap = lit(MASK_CAP);
     let chunk = lit(CHUNK);
     // The register tiles, generic over their size so that edges take smaller ones; every loop
@@ -212,32 +216,29 @@ pub fn expand(spec: &Spec) -> TokenStream {
         TokenStream::new(),
         TokenStream::new(),
         quote! {
-            x: &[__A], w: &[__A], b: &[__A], y: #rt::Shared<'_, __A>,
-            epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
-            batch: ::core::ops::Range<usize>,
+            x: &[__A], w: &[__A], b: &[__A], y: &#rt::Shared<'_, __A>,
+            batch: ::core::ops::Range<usize>, channels: ::core::ops::Range<usize>,
         },
-        quote!(x, w, b, y, epilogue, batch),
+        quote!(x, w, b, y, batch, channels),
         quote! {
             // Channels outside, rows inside: a block of `COLS` weight rows stays in L1 for
             // every row (the whole of `w` does not stay in L2 beside the gradients).
             let (xp, wp) = (x.as_ptr(), w.as_ptr());
-            let out = y.part(batch.start * __OC, batch.len() * __OC);
-            let mut c0 = 0;
-            while c0 < __OC {
-                let cs = if __OC - c0 < #cols { __OC - c0 } else { #cols };
+            let mut c0 = channels.start;
+            while c0 < channels.end {
+                let cs = if channels.end - c0 < #cols { channels.end - c0 } else { #cols };
                 let mut r0 = batch.start;
                 while r0 < batch.end {
                     let rs = if batch.end - r0 < #rows { batch.end - r0 } else { #rows };
                     let (xr, wc) = (xp.add(r0 * __IC), wp.add(c0 * __IC));
                     let mut put = |r: usize, c: usize, v: __A| {
-                        out[(r0 + r - batch.start) * __OC + c0 + c] = b[c0 + c] + v;
+                        *y.at((r0 + r) * __OC + c0 + c) = b[c0 + c] + v;
                     };
                     #forward_tiles
                     r0 += #rows;
                 }
                 c0 += #cols;
             }
-            epilogue(out, batch.start, batch.len());
         },
     );
     // Rows of `dz` (or of `dz^T`: output channels) against rows of `w` (or `x`), `VECS`
@@ -430,7 +431,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
     );
     quote! {
         /// Dense layer + bias of `B` rows into `ya` (`None`: scratch), with
-        /// `epilogue(rows' results, first row, rows)` on each worker's rows while in cache.
+        /// `epilogue(rows' results, first row, rows)` on each worker's rows while in cache (on
+        /// all rows at the end where the rows are too few for the threads).
         /// `RELU` is applied by the epilogue's activation (the dense kernels keep no ReLU of
         /// their own).
         #[inline(always)]
@@ -441,7 +443,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
             ya: ::core::option::Option<&mut [__A]>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
         ) {
-            let work = __B * __IC * __OC;
+            // Below a register tile of rows, the pass streams its weights from memory at about
+            // the cost of that many rows' multiply-adds (Nature DQN's 3136 x 512 at batch 1:
+            // 117 us, where as many multiply-adds in cache take about 40).
+            let work = (if __B < #rows { #rows } else { __B }) * __IC * __OC;
             let parts = cpu.__pool().workers(__B.div_ceil(#rows), work);
             let y_scratch = if ya.is_some() { 0 } else { __B * __OC };
             let ws = cpu.__workspace::<__A>(
@@ -465,14 +470,35 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 }
                 epilogue(out, q0, n);
             };
-            pool.run(parts, work, &|_, range| {
-                let batch = range.start * __B / parts..range.end * __B / parts;
-                if batch.is_empty() {
-                    return;
-                }
-                // SAFETY: the worker's own rows; the slices have the lengths the kernel reads.
-                unsafe { __dense_forward(x, w, b, y, &relu, batch) };
-            });
+            if parts >= pool.workers(usize::MAX, work) {
+                pool.run(parts, work, &|_, range| {
+                    let batch = range.start * __B / parts..range.end * __B / parts;
+                    if batch.is_empty() {
+                        return;
+                    }
+                    // SAFETY: the worker's own rows, whole; the slices have the lengths the
+                    // kernel reads.
+                    unsafe {
+                        __dense_forward(x, w, b, &y, batch.clone(), 0..__OC);
+                        relu(y.part(batch.start * __OC, batch.len() * __OC), batch.start, batch.len());
+                    }
+                });
+            } else {
+                // Too few rows for the threads (one action: batch 1): blocks of output
+                // channels instead, each worker streaming its own rows of the weights (the same
+                // dot products, so the same bits), then the epilogue on every row.
+                const __CBLOCK: usize = #cblock;
+                let blocks = __OC.div_ceil(__CBLOCK);
+                pool.run(blocks, work, &|_, range| {
+                    let end = range.end * __CBLOCK;
+                    let channels = range.start * __CBLOCK..if end < __OC { end } else { __OC };
+                    // SAFETY: the worker's own channels of every row (elements written one by
+                    // one); the slices have the lengths the kernel reads.
+                    unsafe { __dense_forward(x, w, b, &y, 0..__B, channels) };
+                });
+                // SAFETY: the workers are done: the whole output is the caller's.
+                relu(unsafe { y.part(0, __B * __OC) }, 0, __B);
+            }
         }
 
         /// Terms (channels, or batch rows) of a gradient's stripe: the bits of a mask.
