@@ -65,9 +65,6 @@ impl ConvGeometry {
     /// Padding after (bottom, right): what the last output row/column reaches past the input.
     /// Smaller than the padding before when the output size was floored.
     fn padding_after(&self) -> [i64; 2] {
-        let after = |o: usize, s: usize, k: usize, i: usize, p: usize| {
-            ((o - 1) * s + k) as i64 - i as i64 - p as i64
-        };
         [
             after(
                 self.out_h,
@@ -137,6 +134,13 @@ impl ConvGeometry {
             any_weights: md(&self.weight_dims(), FormatTag::ANY)?,
         })
     }
+}
+
+/// Padding after (bottom or right) of a window of `k` at stride `s` over `i` inputs padded by
+/// `p` before, `o` outputs: what the last window reaches past the input (less than `p` where
+/// the output size was floored).
+fn after(o: usize, s: usize, k: usize, i: usize, p: usize) -> i64 {
+    ((o - 1) * s + k) as i64 - i as i64 - p as i64
 }
 
 /// The tensors' descriptors as the generated code lays them out (NHWC activations, OHWI
@@ -447,9 +451,6 @@ fn pool_descs(
 
 /// Strides, kernel, padding before and after of a pooling, as the builders take them.
 fn pool_window(g: &PoolGeometry) -> [[i64; 2]; 4] {
-    let after = |o: usize, s: usize, k: usize, i: usize, p: usize| {
-        ((o - 1) * s + k) as i64 - i as i64 - p as i64
-    };
     [
         g.stride.map(|s| s as i64),
         g.kernel.map(|k| k as i64),
