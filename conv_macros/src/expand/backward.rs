@@ -19,6 +19,7 @@ use quote::{format_ident, quote, ToTokens};
 use super::cpu::{layout_id, staged};
 use super::kernel::{
     array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
+    VECTOR_REGISTERS,
 };
 use super::{lit, rt, usize_consts, Names};
 use crate::spec::Spec;
@@ -285,7 +286,12 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     let rt = rt();
     let l = spec.dtype.lanes();
     let (ic, kv) = (spec.in_c(), spec.out_channels.div_ceil(l));
-    let gp = (GATHER_REGISTERS / (ic * kv)).max(1);
+    // Every load of a step held at once (LLVM hoists them), as in `Blocking::broadcasts_held`:
+    // `GP` pixels' `dz` vectors, the `IC x vectors` weights and the accumulators.
+    let gp = (1..=GATHER_REGISTERS)
+        .take_while(|gp| gp * ic * kv + gp * kv + ic * kv <= VECTOR_REGISTERS)
+        .last()
+        .unwrap_or(1);
     let tph = (spec.kernel[0] - 1).saturating_sub(spec.padding[0]);
     let tpw = (spec.kernel[1] - 1).saturating_sub(spec.padding[1]);
     let consts = usize_consts(&[
@@ -443,7 +449,7 @@ fn gather_kernel(spec: &Spec) -> DataPath {
 
 fn weights_kernel(spec: &Spec) -> TokenStream {
     let offs_array = array_by_loop(
-        quote!(__P),
+        quote!(__WP),
         quote!(0),
         "i",
         quote!({
@@ -456,7 +462,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
         }),
     );
     let rows_array = array_by_loop(
-        quote!(__P),
+        quote!(__WP),
         quote!(::core::ptr::null_mut::<__A>()),
         "i",
         quote!({
@@ -465,17 +471,18 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
         }),
     );
     let rt = rt();
-    let blk = Blocking::new(spec.dtype, spec.out_channels);
+    let blk = Blocking::new(spec.dtype, spec.out_channels).broadcasts_held();
+    let wp = lit(blk.p);
     let l = blk.lanes;
     let calls = blk.calls("weight_tile", false, |tile, first| {
         let dsts = array_by_loop(
-            quote!(__P),
+            quote!(__WP),
             quote!(::core::ptr::null_mut::<__A>()),
             "i",
             quote!(rows[i].add(#first)),
         );
         quote! {
-            let dsts: [*mut __A; __P] = #dsts;
+            let dsts: [*mut __A; __WP] = #dsts;
             #tile::<__S>(x, &xoff[..count], &offs, dz.add(q0 * __OC + #first), &dsts, q0 == 0);
         }
     });
@@ -509,8 +516,8 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
             /// them when `fresh`).
             #[inline(always)]
             unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
-                x: *const __A, xoff: &[usize], offs: &[usize; __P], dz: *const __A,
-                dsts: &[*mut __A; __P], fresh: bool,
+                x: *const __A, xoff: &[usize], offs: &[usize; __WP], dz: *const __A,
+                dsts: &[*mut __A; __WP], fresh: bool,
             ) {
                 #init
                 for (k, &o) in xoff.iter().enumerate() {
@@ -533,8 +540,8 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
             ::core::debug_assert!(dz.len() >= __BATCH * __NPIX * __OC + __L && dw.len() == (__WINDOW + 1) * __OCP);
             let total = __BATCH * __NPIX;
             // The rows of this worker's position blocks (the sink row with the last block).
-            let first_row = blocks.start * __P;
-            let end_row = if blocks.end * __P < __WINDOW { blocks.end * __P } else { __WINDOW + 1 };
+            let first_row = blocks.start * __WP;
+            let end_row = if blocks.end * __WP < __WINDOW { blocks.end * __WP } else { __WINDOW + 1 };
             let rows_part = dw.part(first_row * __OCP, (end_row - first_row) * __OCP);
             let (x, dz, dw) = (x.as_ptr(), dz.as_ptr(), rows_part.as_mut_ptr());
             let mut q0 = 0;
@@ -546,13 +553,13 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
                     let (oh, ow) = (r / __OW, r % __OW);
                     *o = ((n * __XH + oh * __SH) * __XW + ow * __SW) * __IC;
                 }
-                let mut r0 = blocks.start * __P;
-                while r0 < blocks.end * __P {
+                let mut r0 = blocks.start * __WP;
+                while r0 < blocks.end * __WP {
                     // Positions past the window repeat the last one into the sink row.
-                    let offs: [usize; __P] = #offs_array;
-                    let rows: [*mut __A; __P] = #rows_array;
+                    let offs: [usize; __WP] = #offs_array;
+                    let rows: [*mut __A; __WP] = #rows_array;
                     #calls
-                    r0 += __P;
+                    r0 += __WP;
                 }
                 q0 += __CHUNK;
             }
@@ -561,9 +568,10 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
     let chunk = lit(CHUNK);
     quote! {
         const __CHUNK: usize = #chunk;
-        /// Blocks of `P` window positions: the weight gradient's parts (each sums over every
+        const __WP: usize = #wp;
+        /// Blocks of `WP` window positions: the weight gradient's parts (each sums over every
         /// pixel in order, so the partition does not change the results).
-        const __WBLOCKS: usize = __WINDOW.div_ceil(__P);
+        const __WBLOCKS: usize = __WINDOW.div_ceil(__WP);
         /// Window positions per kernel row (`KW * IC`, contiguous in NHWC).
         const __SEG: usize = __KW * __IC;
         #kernel
