@@ -1,10 +1,11 @@
 //! Generated Winograd CPU code for layers with enough channels, f32 or half precision (computed
 //! in f32): F(2x2, 3x3) or F(4x4, 3x3) for stride-1 3x3 layers, F(2x2, 3x3) at stride 2 for
 //! stride-2 3x3 layers (per axis F(2, 2) over the outer taps and the middle tap as it is, input
-//! tiles `WSTEP = 2 * WM` apart), and F(3x3, 2x2) for stride-2 4x4 layers (the Atari network's
-//! second layer), which are 2x2 stride-1 convolutions of the input rearranged space-to-depth
-//! (each 2x2 block of pixels one pixel of 4x the channels). Per output tile and channel pair,
-//! `WN * WN` multiplies (16, 25 or 36) where the direct convolution does 36 or 144.
+//! tiles `WSTEP = 2 * WM` apart), and F(3x3, 2x2) for layers whose kernel is twice their stride
+//! (the Atari network's 8x8 stride-4 first layer and 4x4 stride-2 second), which are 2x2
+//! stride-1 convolutions of the input rearranged space-to-depth (each `s x s` block of pixels
+//! one pixel of `s * s` times the channels). Per output tile and channel pair, `WN * WN`
+//! multiplies (16, 25 or 36) where the direct convolution does 36, 144 or 576.
 //!
 //! The batch's output is cut into `WM x WM` tiles, taken a chunk of whole tile rows at a time (so
 //! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
@@ -24,7 +25,7 @@
 //! is built per image in such a slot, stored where no earlier tile reached and added where
 //! tiles overlap, and copied out when the image's last chunk is done. Outputs of tiles past the
 //! last row or column are not stored, and their gradients are zero. `WIC` is the staged image's channel
-//! count (`IC`, or `4 * IC` space-to-depth).
+//! count (`IC`, or `SD * SD * IC` space-to-depth).
 
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
@@ -93,15 +94,20 @@ impl Plan {
         min_gain: 1.4,
     };
 
-    const F3X2: Plan = Plan {
-        n: 4,
-        m: 3,
-        r: 2,
-        stride: 1,
-        sd: 2,
-        variant: "F3x2",
-        min_gain: 1.5,
-    };
+    /// F(3x3, 2x2) on the input rearranged space-to-depth by `sd`: a `2 sd x 2 sd` kernel at
+    /// stride `sd` is a 2x2 stride-1 convolution of `sd * sd` times the channels (the Atari
+    /// network's first layer, 8x8 stride 4, and its second, 4x4 stride 2).
+    const fn f3x2(sd: usize) -> Plan {
+        Plan {
+            n: 4,
+            m: 3,
+            r: 2,
+            stride: 1,
+            sd,
+            variant: "F3x2",
+            min_gain: 1.5,
+        }
+    }
 
     /// Direct multiplies over Winograd multiplies for the spec's output, the outputs of
     /// ragged tiles computed for nothing counted.
@@ -115,7 +121,7 @@ impl Plan {
 }
 
 /// The spec's Winograd plan, if it runs on these kernels: f32 (or a half type, computed in
-/// f32; f64 layers keep the direct sums), 3x3 stride 1 or 4x4 stride 2,
+/// f32; f64 layers keep the direct sums), 3x3 at stride 1 or 2, or a kernel twice its stride,
 /// channel counts (of the staged input) in whole vectors of at least two, and at least 1.5x
 /// fewer multiplies than the direct kernel. Stride-1 layers take F(4x4, 3x3) where it saves
 /// 1.2x more than F(2x2, 3x3) (its transforms cost more, and its rounding error is larger).
@@ -125,7 +131,7 @@ pub fn plan(spec: &Spec) -> Option<Plan> {
     let plan = match (spec.kernel, spec.stride) {
         ([3, 3], [1, 1]) if Plan::F4X3.gain(spec) >= 1.2 * Plan::F2X3.gain(spec) => Plan::F4X3,
         ([3, 3], [1, 1]) => Plan::F2X3,
-        ([4, 4], [2, 2]) => Plan::F3X2,
+        ([k, kw], [sd, sw]) if k == kw && sd == sw && sd >= 2 && k == 2 * sd => Plan::f3x2(sd),
         ([3, 3], [2, 2]) => Plan::F2X3S2,
         _ => return None,
     };
@@ -1112,15 +1118,34 @@ mod tests {
         // The benchmark's shapes: Atari layers 2 and 3, ResNet, and the direct ones.
         let nature2 = Spec::for_tests([20, 20, 32], 64, 4, 2, 0, 32);
         assert_eq!(variant(&nature2), Some("F3x2"));
-        assert!((Plan::F3X2.gain(&nature2) - 2.25).abs() < 1e-12);
+        assert!((Plan::f3x2(2).gain(&nature2) - 2.25).abs() < 1e-12);
         let nature3 = Spec::for_tests([9, 9, 64], 64, 3, 1, 0, 32);
         assert_eq!(variant(&nature3), Some("F4x3"));
         assert_eq!(
             variant(&Spec::for_tests([56, 56, 64], 64, 3, 1, 1, 8)),
             Some("F4x3")
         );
+        // Atari layer 1, 8x8 stride 4: 2x2 taps over 64 staged channels, 20x20 outputs in
+        // 7x7 tiles of 3x3 (2.04x).
+        let nature1 = Spec::for_tests([84, 84, 4], 32, 8, 4, 0, 32);
+        assert_eq!(variant(&nature1), Some("F3x2"));
+        assert!((Plan::f3x2(4).gain(&nature1) - 25600.0 / 12544.0).abs() < 1e-12);
+        // The suites' padded stride-4 case: 6x5 outputs in 2x2 tiles (1.875x).
+        let mut s4 = Spec::for_tests([23, 21, 2], 24, 8, 4, 3, 2);
+        assert_eq!(variant(&s4), Some("F3x2"));
+        s4.dtype = Dtype::F64;
+        assert_eq!(variant(&s4), None);
+        // Stride 3, 6x6: 8 input channels make 72 staged ones; 6x6 outputs in 2x2 tiles.
+        let s3 = Spec::for_tests([20, 20, 8], 16, 6, 3, 1, 2);
+        assert_eq!(variant(&s3), Some("F3x2"));
+        assert!((Plan::f3x2(3).gain(&s3) - 2.25).abs() < 1e-12);
+        // Too few staged channels (8 at stride 2), and a kernel that is not twice the stride.
         assert_eq!(
-            variant(&Spec::for_tests([84, 84, 4], 32, 8, 4, 0, 32)),
+            variant(&Spec::for_tests([84, 84, 2], 32, 4, 2, 0, 32)),
+            None
+        );
+        assert_eq!(
+            variant(&Spec::for_tests([84, 84, 4], 32, 6, 2, 0, 32)),
             None
         );
         // Stride-2 3x3 (the BatchNorm benchmark layer): 8x8 outputs in 2x2 tiles, 1.44x; with
