@@ -78,9 +78,16 @@ const PACK_CAPACITY: usize = 32;
 /// partial sums in a fixed order: results are bit-identical for every thread count. Calls whose
 /// work is too small to pay for a hand-off stay on the calling thread.
 ///
-/// Threads are the device's own: two devices with 4 threads each use 8 cores (plus their
-/// callers, which work too). Size devices so that their threads add up to the cores, e.g.
+/// Threads are the device's own: two devices of 4 threads each (each its caller and 3 workers)
+/// use 8 cores. Size devices so that their threads add up to the cores, e.g.
 /// `Cpu::with_threads(cores / actors)` for one device per actor thread.
+///
+/// Memory: scratch is sized by the spec of each call and kept for the next; the thread count
+/// adds only the workers' own parts: an image group of the input gradient each (together the
+/// batch's input gradient and at most one image per worker) and one Winograd chunk's
+/// transforms and staged input images each. Partial sums do not grow with the threads: the Winograd weight gradient
+/// keeps at most 8 partials of the layer's transformed weights, bias gradients and
+/// normalization statistics at most 8 of `OC` values.
 #[derive(Default)]
 pub struct Cpu {
     packs: Vec<Packed>,
