@@ -85,9 +85,9 @@ const PACK_CAPACITY: usize = 32;
 /// Memory: scratch is sized by the spec of each call and kept for the next; the thread count
 /// adds only the workers' own parts: an image group of the input gradient each (together the
 /// batch's input gradient and at most one image per worker) and one Winograd chunk's
-/// transforms and staged input images each. Partial sums do not grow with the threads: the Winograd weight gradient
-/// keeps at most 8 partials of the layer's transformed weights, bias gradients and
-/// normalization statistics at most 8 of `OC` values.
+/// transforms and staged input images each. Partial sums do not grow with the threads: the
+/// Winograd weight gradient keeps at most 8 partials of the layer's transformed weights, bias
+/// gradients and normalization statistics at most 8 of `OC` values.
 #[derive(Default)]
 pub struct Cpu {
     packs: Vec<Packed>,

@@ -287,11 +287,9 @@ fn gather_kernel(spec: &Spec) -> DataPath {
     let l = spec.dtype.lanes();
     let (ic, kv) = (spec.in_c(), spec.out_channels.div_ceil(l));
     // Every load of a step held at once (LLVM hoists them), as in `Blocking::broadcasts_held`:
-    // `GP` pixels' `dz` vectors, the `IC x vectors` weights and the accumulators.
-    let gp = (1..=GATHER_REGISTERS)
-        .take_while(|gp| gp * ic * kv + gp * kv + ic * kv <= VECTOR_REGISTERS)
-        .last()
-        .unwrap_or(1);
+    // the `IC x vectors` weights, and per pixel its `dz` vectors and `IC x vectors` accumulators
+    // (`gather_applies` leaves room for at least the weights).
+    let gp = ((VECTOR_REGISTERS - ic * kv) / (kv * (ic + 1))).clamp(1, GATHER_REGISTERS);
     let tph = (spec.kernel[0] - 1).saturating_sub(spec.padding[0]);
     let tpw = (spec.kernel[1] - 1).saturating_sub(spec.padding[1]);
     let consts = usize_consts(&[
