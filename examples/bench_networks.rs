@@ -3,8 +3,9 @@
 //! step over the whole network), at each thread count, and the step's three parts (`step_forward`,
 //! `step_backward`, `step_adam`) timed inside consecutive steps. Also MinAtar's dense layer alone at
 //! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
-//! by skipping zero terms. And the device's thread team alone (`pool`, batch column 0): one call
-//! of a 20-us part per thread, back to back and after the workers have gone to sleep.
+//! by skipping zero terms. IMPALA's second max-pooling alone (`maxpool32`): evaluate, forward
+//! with the winners kept, backward. And the device's thread team alone (`pool`, batch column 0):
+//! one call of a 20-us part per thread, back to back and after the workers have gone to sleep.
 //!
 //! ```sh
 //! cargo run --release --example bench_networks -- --threads 1,2
@@ -116,6 +117,15 @@ conv_runtime::network! {
     }
 }
 
+conv_runtime::network! {
+    /// IMPALA's second max-pooling alone (32x32x32 -> 16x16x32, 3/2, padding 1).
+    pub struct MaxPool32 {
+        input: [32, 32, 32],
+        batch: 32,
+        layers: [pool: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
+    }
+}
+
 /// Of every 100 values, `percent` nonzero (spread by a multiplicative hash).
 fn with_density(len: usize, percent: usize) -> Vec<f32> {
     (0..len)
@@ -161,6 +171,36 @@ fn bench_sparse(threads: usize) -> conv_runtime::Result<Vec<Row>> {
         });
     }
     Ok(rows)
+}
+
+/// Max-pooling alone at batch 32: `evaluate` (no winners kept), `forward` (the winners kept
+/// for the backward pass) and `backward` (each input gathers the gradients of the outputs it
+/// won).
+fn bench_maxpool(threads: usize) -> conv_runtime::Result<Vec<Row>> {
+    let mut cpu = Cpu::with_threads(threads)?;
+    let mut net = MaxPool32::new(&mut Rng::seed_from_u64(1));
+    let x = MaxPool32Input::<32>::from_fn(|i| ((i * 7919) % 1000) as f32 / 100.0 - 5.0);
+    let dy = MaxPool32Output::<32>::from_fn(|i| ((i % 7) as f32 - 3.0) * 1e-3);
+    let (mut y, mut state) = (MaxPool32Output::<32>::zeros(), MaxPool32State::new());
+    let (mut grads, mut dx) = (MaxPool32Grads::zeros(), MaxPool32Input::<32>::zeros());
+    let evaluate = time(|| net.evaluate(&mut cpu, black_box(&x), &mut y))?;
+    let forward = time(|| net.forward(&mut cpu, black_box(&x), &mut state, Mode::Train))?;
+    let backward =
+        time(|| net.backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train))?;
+    let row = |op: &'static str, (us, spread): (f64, f64)| Row {
+        network: "maxpool32",
+        op,
+        batch: 32,
+        backend: "cpu",
+        threads,
+        us,
+        spread,
+    };
+    Ok(vec![
+        row("evaluate", evaluate),
+        row("forward", forward),
+        row("backward", backward),
+    ])
 }
 
 /// The device's thread team alone: a call of one 20-us part per thread (spinning, no memory),
@@ -358,6 +398,9 @@ fn run(threads: &[usize], filter: Option<&str>, onednn: bool) -> conv_runtime::R
             "impala",
             t
         );
+        if wanted("maxpool") {
+            rows.extend(bench_maxpool(t)?);
+        }
         if wanted("pool") {
             rows.extend(bench_pool(t)?);
         }

@@ -355,10 +355,10 @@ conv_runtime::network! {
 }
 
 conv_runtime::network! {
-    /// Max-pooling alone (padded, overlapping windows; nine channels: a whole vector and one
-    /// lane), for PyTorch's rules on ties, NaN and all -inf windows.
+    /// Max-pooling alone (padded, overlapping windows; 17 channels: a whole chunk of the
+    /// kernel's 16 and one more), for PyTorch's rules on ties, NaN and all -inf windows.
     pub struct PoolOnly {
-        input: [5, 5, 9],
+        input: [5, 5, 17],
         batch: 2,
         layers: [p: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
     }
@@ -366,7 +366,7 @@ conv_runtime::network! {
 
 #[test]
 fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
-    let ([h, w, c], (k, s, p), batch) = ([5, 5, 9], (3, 2, 1), 2);
+    let ([h, w, c], (k, s, p), batch) = ([5, 5, 17], (3, 2, 1), 2);
     let (oh, ow) = (3, 3);
     let mut x = PoolOnlyInput::<2>::zeros();
     common::pooling_edge_values(x.as_mut_slice(), h * w * c, c);
