@@ -380,7 +380,24 @@ fn operations(spec: &Spec) -> TokenStream {
     // Epilogues run on the device's threads, each on its own tiles: outputs are written
     // through `Shared` slices, in the tiles' disjoint pixel ranges.
     let part = quote!(unsafe { out.part(q0 * __OC, n * __OC) });
+    let aliased = super::output_is_pre_activation(spec);
     let (evaluate, forward) = match spec.norm {
+        Norm::None if half && aliased => (
+            quote! {
+                let out = #rt::Shared::new(output.as_mut_slice());
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, #part);
+                });
+            },
+            quote! {
+                let out = #rt::Shared::new(state.output.as_mut_slice());
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                    // SAFETY: the tile's own pixels.
+                    #store(ya, #part);
+                });
+            },
+        ),
         Norm::None if half => (
             quote! {
                 let out = #rt::Shared::new(output.as_mut_slice());
@@ -399,6 +416,14 @@ fn operations(spec: &Spec) -> TokenStream {
                     #apply(ya);
                     #store(ya, #part);
                 });
+            },
+        ),
+        Norm::None if aliased => (
+            quote! {
+                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &|_, _, _| {});
+            },
+            quote! {
+                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.output.as_mut_slice()), &|_, _, _| {});
             },
         ),
         Norm::None => (

@@ -506,6 +506,24 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
     }
     state_names.extend(["pre_activation", "output"].map(|f| format_ident!("{}", f)));
     state_tys.extend([y_ty.clone(), y_ty.clone()]);
+    // The host state's field each GPU field copies from, and the fields copied back: a host
+    // state without an activation or norm keeps its pre-activation in `output`.
+    let aliased = super::output_is_pre_activation(spec);
+    let host_sources: Vec<syn::Ident> = state_names
+        .iter()
+        .map(|n| {
+            if aliased && n == "pre_activation" {
+                format_ident!("output")
+            } else {
+                n.clone()
+            }
+        })
+        .collect();
+    let host_names: Vec<syn::Ident> = state_names
+        .iter()
+        .filter(|n| !(aliased && *n == "pre_activation"))
+        .cloned()
+        .collect();
 
     // Widened copies for cuDNN in f32 (half layers).
     let widen_fn = (half && !direct).then(|| {
@@ -998,13 +1016,13 @@ fn device(spec: &Spec, plan: &Plan) -> TokenStream {
                     /// A copy of `state` on the GPU.
                     pub fn upload(dev: &#cuda, state: &#state) -> #rt::Result<Self> {
                         let mut s = Self::new(dev)?;
-                        #(s.#state_names.copy_from_host(dev, &state.#state_names)?;)*
+                        #(s.#state_names.copy_from_host(dev, &state.#host_sources)?;)*
                         #ok(s)
                     }
 
                     /// Copies the state into `state`.
                     pub fn download_into(&self, dev: &#cuda, state: &mut #state) -> #result {
-                        #(self.#state_names.download_into(dev, &mut state.#state_names)?;)*
+                        #(self.#host_names.download_into(dev, &mut state.#host_names)?;)*
                         #ok(())
                     }
 

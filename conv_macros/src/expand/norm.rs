@@ -449,7 +449,7 @@ fn d_conv(spec: &Spec) -> TokenStream {
             #rt::activation::backward_on::<#act, __T>(
                 pool,
                 d_output,
-                state.pre_activation.as_slice(),
+                state.pre_activation().as_slice(),
                 state.output.as_slice(),
                 dz,
             );

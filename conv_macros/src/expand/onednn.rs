@@ -87,6 +87,12 @@ fn native(spec: &Spec) -> TokenStream {
             self.__conv_forward(&__ONEDNN, __BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.conv.as_mut_slice())?;
             __norm_forward(self.__cpu(false).__pool(), layer, state, mode);
         }
+    } else if super::output_is_pre_activation(spec) {
+        quote! {
+            let _ = mode;
+            let w = &layer.weights;
+            self.__conv_forward(&__ONEDNN, __BATCH, false, w.as_slice(), w.stamp(), layer.biases.as_slice(), input.as_slice(), state.output.as_mut_slice())?;
+        }
     } else {
         quote! {
             let _ = mode;

@@ -266,10 +266,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
     } else {
         Vec::new()
     };
+    let aliased = super::output_is_pre_activation(spec);
     let state_names: Vec<syn::Ident> = stats_names
         .iter()
         .cloned()
-        .chain([format_ident!("pre_activation"), format_ident!("output")])
+        .chain((!aliased).then(|| format_ident!("pre_activation")))
+        .chain([format_ident!("output")])
         .collect();
 
     let values = [
@@ -330,6 +332,17 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let output_doc = format!("The output of [`{layer}`] at batch `B`.");
     let x_ty = quote!(#rt::Tensor<#t, #batch, #ih, #iw, #ic>);
     let y_ty = quote!(#rt::Tensor<#t, #batch, #oh, #ow, #oc>);
+    let (pre_field, pre_ref) = if aliased {
+        (TokenStream::new(), quote!(&self.output))
+    } else {
+        (
+            quote! {
+                /// The activation's input.
+                pre_activation: #y_ty,
+            },
+            quote!(&self.pre_activation),
+        )
+    };
 
     quote! {
         #(#attrs)*
@@ -354,9 +367,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
         #[allow(dead_code)]
         #vis struct #state {
             #stats_fields
-            /// The activation's input.
-            pre_activation: #y_ty,
-            /// The layer's output.
+            #pre_field
+            /// The layer's output (and the activation's input where there is no activation
+            /// or norm).
             output: #y_ty,
         }
 
@@ -590,7 +603,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
             /// The activation's input in the last forward pass.
             pub fn pre_activation(&self) -> &#y_ty {
-                &self.pre_activation
+                #pre_ref
             }
 
             /// Zeroes everything the last forward pass left.

@@ -1000,7 +1000,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                 ::core::option::Option::Some(d) => d,
                 ::core::option::Option::None => &mut [],
             });
-            let (pre, output) = (state.pre_activation.as_slice(), state.output.as_slice());
+            let (pre, output) = (state.pre_activation().as_slice(), state.output.as_slice());
             let mut dbs = [[0.0 as __A; __OC]; __WPARTS];
             {
                 let (scratches, dus, dbs) = (
