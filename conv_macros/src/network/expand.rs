@@ -697,174 +697,160 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                 }
                 out
             };
-            let (forward_rows, backward_rows) = match kind {
-                PoolKind::Max => {
-                    let forward = chunks(&|width| {
-                        quote! {
-                            let mut best = [#a::NEG_INFINITY; #width];
-                            let mut at = [0u32; #width];
-                            for l in 0..#width {
-                                at[l] = (first + c0 + l) as u32;
-                            }
-                            for i in rows.clone() {
-                                for j in cols.clone() {
-                                    let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
-                                    let xs = &x[px..px + #width];
-                                    for l in 0..#width {
-                                        let (v, b) = (#to_acc(xs[l]), best[l]);
-                                        // PyTorch's `val > maxval || isnan(val)`: the last NaN
-                                        // wins.
-                                        let take = (v > b) | v.is_nan();
-                                        best[l] = if take { v } else { b };
-                                        if __KEEP {
-                                            at[l] = if take { (px + l) as u32 } else { at[l] };
+            // Per kind: what a call sets up, each output row's extra slices, each output
+            // pixel's body (after `window`), and each input pixel's gradient (after the
+            // covering outputs).
+            let (forward_setup, forward_row, forward_pixel, backward_setup, backward_pixel) =
+                match kind {
+                    PoolKind::Max => {
+                        let forward = chunks(&|width| {
+                            quote! {
+                                let mut best = [#a::NEG_INFINITY; #width];
+                                let mut at = [0u32; #width];
+                                for l in 0..#width {
+                                    at[l] = (first + c0 + l) as u32;
+                                }
+                                for i in rows.clone() {
+                                    for j in cols.clone() {
+                                        let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
+                                        let xs = &x[px..px + #width];
+                                        for l in 0..#width {
+                                            let (v, b) = (#to_acc(xs[l]), best[l]);
+                                            // PyTorch's `val > maxval || isnan(val)`: the last NaN
+                                            // wins.
+                                            let take = (v > b) | v.is_nan();
+                                            best[l] = if take { v } else { b };
+                                            if __KEEP {
+                                                at[l] = if take { (px + l) as u32 } else { at[l] };
+                                            }
                                         }
                                     }
                                 }
-                            }
-                            let out = &mut y[ow * #c + c0..][..#width];
-                            for l in 0..#width {
-                                out[l] = #from_acc(best[l]);
-                            }
-                            if __KEEP {
-                                w[ow * #c + c0..][..#width].copy_from_slice(&at);
-                            }
-                        }
-                    });
-                    // The gradient keeps whole channel rows: its one running sum per channel
-                    // stays in registers as it is (chunks of it ran 4x slower).
-                    let backward = quote! {
-                        let mut sum = [0.0 as #a; #c];
-                        for oh in ohs.clone() {
-                            for ow in ows.clone() {
-                                let k = ((n * #oh + oh) * #ow + ow) * #c;
-                                let (ws, gs) = (&winners[k..k + #c], &dy[k..k + #c]);
-                                for ch in 0..#c {
-                                    let g = #to_acc(gs[ch]);
-                                    sum[ch] += if ws[ch] == (me + ch) as u32 { g } else { 0.0 };
+                                let out = &mut y[ow * #c + c0..][..#width];
+                                for l in 0..#width {
+                                    out[l] = #from_acc(best[l]);
+                                }
+                                if __KEEP {
+                                    w[ow * #c + c0..][..#width].copy_from_slice(&at);
                                 }
                             }
-                        }
-                        let dx = &mut dx[w * #c..(w + 1) * #c];
-                        for ch in 0..#c {
-                            dx[ch] = #from_acc(sum[ch]);
-                        }
-                    };
-                    (
-                        rows_fn(
-                            quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, range: ::core::ops::Range<usize>),
-                            quote!(x, ys, ws, range),
+                        });
+                        // The gradient keeps whole channel rows: its one running sum per channel
+                        // stays in registers as it is (chunks of it ran 4x slower).
+                        let backward = quote! {
+                            let mut sum = [0.0 as #a; #c];
+                            for oh in ohs.clone() {
+                                for ow in ows.clone() {
+                                    let k = ((n * #oh + oh) * #ow + ow) * #c;
+                                    let (ws, gs) = (&winners[k..k + #c], &dy[k..k + #c]);
+                                    for ch in 0..#c {
+                                        let g = #to_acc(gs[ch]);
+                                        sum[ch] += if ws[ch] == (me + ch) as u32 { g } else { 0.0 };
+                                    }
+                                }
+                            }
+                            let dx = &mut dx[w * #c..(w + 1) * #c];
+                            for ch in 0..#c {
+                                dx[ch] = #from_acc(sum[ch]);
+                            }
+                        };
+                        (
+                            TokenStream::new(),
+                            quote!(let w = if __KEEP { unsafe { ws.part(row * #ow * #c, #ow * #c) } } else { &mut [][..] };),
                             quote! {
-                                for row in range {
-                                    let (n, oh) = (row / #oh, row % #oh);
-                                    // SAFETY: the worker's own output rows.
-                                    let y = unsafe { ys.part(row * #ow * #c, #ow * #c) };
-                                    let w = if __KEEP { unsafe { ws.part(row * #ow * #c, #ow * #c) } } else { &mut [][..] };
-                                    for ow in 0..#ow {
-                                        #window
-                                        // An all -inf window's winner is its first position,
-                                        // as in PyTorch.
-                                        let first = ((n * #ih + h0 + rows.start - #ph) * #iw + w0 + cols.start - #pw) * #c;
-                                        #forward
-                                    }
-                                }
+                                // An all -inf window's winner is its first position, as in
+                                // PyTorch.
+                                let first = ((n * #ih + h0 + rows.start - #ph) * #iw + w0 + cols.start - #pw) * #c;
+                                #forward
                             },
-                        ),
-                        rows_fn(
-                            quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
-                            quote!(dy, winners, dxs, range),
+                            TokenStream::new(),
                             quote! {
-                                for row in range {
-                                    let (n, h) = (row / #ih, row % #ih);
-                                    // SAFETY: the worker's own input rows.
-                                    let dx = unsafe { dxs.part(row * #iw * #c, #iw * #c) };
-                                    #covering
-                                    for w in 0usize..#iw {
-                                        #covering_cols
-                                        // A loser adds +0: the sum starts at +0, so it is never
-                                        // -0, and adding +0 leaves its bits as they are.
-                                        let me = (row * #iw + w) * #c;
-                                        #backward
+                                // A loser adds +0: the sum starts at +0, so it is never -0, and
+                                // adding +0 leaves its bits as they are.
+                                let me = (row * #iw + w) * #c;
+                                #backward
+                            },
+                        )
+                    }
+                    PoolKind::Avg => {
+                        let forward = chunks(&|width| {
+                            quote! {
+                                let mut sum = [0.0 as #a; #width];
+                                for i in rows.clone() {
+                                    for j in cols.clone() {
+                                        let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
+                                        let xs = &x[px..px + #width];
+                                        for l in 0..#width {
+                                            sum[l] += #to_acc(xs[l]);
+                                        }
                                     }
                                 }
-                            },
-                        ),
-                    )
-                }
-                PoolKind::Avg => {
-                    let forward = chunks(&|width| {
-                        quote! {
-                            let mut sum = [0.0 as #a; #width];
-                            for i in rows.clone() {
-                                for j in cols.clone() {
-                                    let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
-                                    let xs = &x[px..px + #width];
-                                    for l in 0..#width {
-                                        sum[l] += #to_acc(xs[l]);
+                                let y = &mut y[ow * #c + c0..][..#width];
+                                for l in 0..#width {
+                                    y[l] = #from_acc(sum[l] * scale);
+                                }
+                            }
+                        });
+                        let backward = quote! {
+                            let mut sum = [0.0 as #a; #c];
+                            for oh in ohs.clone() {
+                                for ow in ows.clone() {
+                                    let k = ((n * #oh + oh) * #ow + ow) * #c;
+                                    let gs = &dy[k..k + #c];
+                                    for ch in 0..#c {
+                                        sum[ch] += #to_acc(gs[ch]);
                                     }
                                 }
                             }
-                            let y = &mut y[ow * #c + c0..][..#width];
-                            for l in 0..#width {
-                                y[l] = #from_acc(sum[l] * scale);
+                            let dx = &mut dx[w * #c..(w + 1) * #c];
+                            for ch in 0..#c {
+                                dx[ch] = #from_acc(sum[ch] * scale);
                             }
+                        };
+                        let scale = quote!(let scale = 1.0 as #a / (#area as #a););
+                        (
+                            quote!(let _ = ws; #scale),
+                            TokenStream::new(),
+                            forward,
+                            quote!(let _ = winners; #scale),
+                            backward,
+                        )
+                    }
+                };
+            let forward_rows = rows_fn(
+                quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, range: ::core::ops::Range<usize>),
+                quote!(x, ys, ws, range),
+                quote! {
+                    #forward_setup
+                    for row in range {
+                        let (n, oh) = (row / #oh, row % #oh);
+                        // SAFETY: the worker's own output rows.
+                        let y = unsafe { ys.part(row * #ow * #c, #ow * #c) };
+                        #forward_row
+                        for ow in 0..#ow {
+                            #window
+                            #forward_pixel
                         }
-                    });
-                    let backward = quote! {
-                        let mut sum = [0.0 as #a; #c];
-                        for oh in ohs.clone() {
-                            for ow in ows.clone() {
-                                let k = ((n * #oh + oh) * #ow + ow) * #c;
-                                let gs = &dy[k..k + #c];
-                                for ch in 0..#c {
-                                    sum[ch] += #to_acc(gs[ch]);
-                                }
-                            }
+                    }
+                },
+            );
+            let backward_rows = rows_fn(
+                quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
+                quote!(dy, winners, dxs, range),
+                quote! {
+                    #backward_setup
+                    for row in range {
+                        let (n, h) = (row / #ih, row % #ih);
+                        // SAFETY: the worker's own input rows.
+                        let dx = unsafe { dxs.part(row * #iw * #c, #iw * #c) };
+                        #covering
+                        for w in 0usize..#iw {
+                            #covering_cols
+                            #backward_pixel
                         }
-                        let dx = &mut dx[w * #c..(w + 1) * #c];
-                        for ch in 0..#c {
-                            dx[ch] = #from_acc(sum[ch] * scale);
-                        }
-                    };
-                    (
-                        rows_fn(
-                            quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, range: ::core::ops::Range<usize>),
-                            quote!(x, ys, ws, range),
-                            quote! {
-                                let _ = ws;
-                                let scale = 1.0 as #a / (#area as #a);
-                                for row in range {
-                                    let (n, oh) = (row / #oh, row % #oh);
-                                    // SAFETY: the worker's own output rows.
-                                    let y = unsafe { ys.part(row * #ow * #c, #ow * #c) };
-                                    for ow in 0..#ow {
-                                        #window
-                                        #forward
-                                    }
-                                }
-                            },
-                        ),
-                        rows_fn(
-                            quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
-                            quote!(dy, winners, dxs, range),
-                            quote! {
-                                let _ = winners;
-                                let scale = 1.0 as #a / (#area as #a);
-                                for row in range {
-                                    let (n, h) = (row / #ih, row % #ih);
-                                    // SAFETY: the worker's own input rows.
-                                    let dx = unsafe { dxs.part(row * #iw * #c, #iw * #c) };
-                                    #covering
-                                    for w in 0usize..#iw {
-                                        #covering_cols
-                                        #backward
-                                    }
-                                }
-                            },
-                        ),
-                    )
-                }
-            };
+                    }
+                },
+            );
             let (what, gradient) = match kind {
                 PoolKind::Max => (
                     quote! {
