@@ -22,7 +22,7 @@ use super::kernel::{
     VECTOR_REGISTERS,
 };
 use super::{lit, rt, usize_consts, Names};
-use crate::spec::{Activation, Dtype, Norm, Spec};
+use crate::spec::{Dtype, Spec};
 
 /// Pixels per weight-gradient chunk: their input offsets live on the stack and their
 /// gradients (`QC * OC` values) stay in L1 across the position blocks.
@@ -582,8 +582,7 @@ fn weights_kernel(spec: &Spec) -> TokenStream {
 /// accumulator's, and whole vectors of output channels, so the weight kernel's loads end at the
 /// last pixel's channels (the copy was 2% of the IMPALA network's training step).
 fn dz_in_place(spec: &Spec) -> bool {
-    spec.activation == Activation::Identity
-        && spec.norm == Norm::None
+    super::output_is_pre_activation(spec)
         && matches!(spec.dtype, Dtype::F32 | Dtype::F64)
         && spec
             .out_channels

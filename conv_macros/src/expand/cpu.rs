@@ -382,22 +382,6 @@ fn operations(spec: &Spec) -> TokenStream {
     let part = quote!(unsafe { out.part(q0 * __OC, n * __OC) });
     let aliased = super::output_is_pre_activation(spec);
     let (evaluate, forward) = match spec.norm {
-        Norm::None if half && aliased => (
-            quote! {
-                let out = #rt::Shared::new(output.as_mut_slice());
-                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
-                    // SAFETY: the tile's own pixels.
-                    #store(ya, #part);
-                });
-            },
-            quote! {
-                let out = #rt::Shared::new(state.output.as_mut_slice());
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
-                    // SAFETY: the tile's own pixels.
-                    #store(ya, #part);
-                });
-            },
-        ),
         Norm::None if half => (
             quote! {
                 let out = #rt::Shared::new(output.as_mut_slice());
@@ -416,14 +400,6 @@ fn operations(spec: &Spec) -> TokenStream {
                     #apply(ya);
                     #store(ya, #part);
                 });
-            },
-        ),
-        Norm::None if aliased => (
-            quote! {
-                __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &|_, _, _| {});
-            },
-            quote! {
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.output.as_mut_slice()), &|_, _, _| {});
             },
         ),
         Norm::None => (
@@ -476,6 +452,21 @@ fn operations(spec: &Spec) -> TokenStream {
                 __norm_forward(self.__pool(), layer, state, mode);
             },
         ),
+    };
+    // Without an activation or norm the state's one map is output and pre-activation: the
+    // forward pass writes it as `evaluate` writes its output.
+    let forward = match (aliased, half) {
+        (false, _) => forward,
+        (true, true) => quote! {
+            let out = #rt::Shared::new(state.output.as_mut_slice());
+            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                // SAFETY: the tile's own pixels.
+                #store(ya, #part);
+            });
+        },
+        (true, false) => quote! {
+            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.output.as_mut_slice()), &|_, _, _| {});
+        },
     };
 
     let some = quote!(::core::option::Option::Some);

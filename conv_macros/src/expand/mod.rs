@@ -207,7 +207,6 @@ pub(crate) fn elem(dtype: Dtype) -> TokenStream {
     }
 }
 
-/// The accumulator type's tokens.
 /// Whether the layer's output is its pre-activation (no activation, no norm): the CPU state
 /// keeps one map for both, which a forward pass writes once (the copy was 3% of the IMPALA
 /// network's training step, and the map as much memory again).
@@ -215,6 +214,7 @@ pub(crate) fn output_is_pre_activation(spec: &crate::spec::Spec) -> bool {
     spec.activation == crate::spec::Activation::Identity && spec.norm == crate::spec::Norm::None
 }
 
+/// The accumulator type's tokens.
 pub(crate) fn acc(dtype: Dtype) -> TokenStream {
     match dtype {
         Dtype::F64 => quote!(f64),
