@@ -577,8 +577,11 @@ mod tests {
         let mut data = values(3 * 8, 7);
         data[1] = f64::NAN;
         data[8 + 2] = f64::NAN;
+        // Zeros of both signs against each other: lane 4 of the f32 vectors, lane 0 of the f64
+        // ones (which see the first 12 values).
         data[4] = 0.0;
         data[8 + 4] = -0.0;
+        data[0] = -0.0;
         data[5] = f64::INFINITY;
         let (d32, d64): (Vec<f32>, Vec<f64>) = (data.iter().map(|&x| x as f32).collect(), data);
         let bits32 = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
