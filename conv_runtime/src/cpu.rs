@@ -209,7 +209,9 @@ pub struct Shared<'a, T> {
 unsafe impl<T: Send> Send for Shared<'_, T> {}
 unsafe impl<T: Send> Sync for Shared<'_, T> {}
 
+// Inlined: called per element in generated loops, from other codegen units without LTO.
 impl<'a, T> Shared<'a, T> {
+    #[inline]
     pub fn new(slice: &'a mut [T]) -> Self {
         Self {
             ptr: slice.as_mut_ptr(),
@@ -223,6 +225,7 @@ impl<'a, T> Shared<'a, T> {
     /// # Safety
     /// No two parts in use at the same time overlap.
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub unsafe fn part(&self, start: usize, len: usize) -> &'a mut [T] {
         assert!(
             start <= self.len && len <= self.len - start,
@@ -240,16 +243,19 @@ impl<'a, T> Shared<'a, T> {
     /// # Safety
     /// No other reference to element `i` is in use at the same time.
     #[allow(clippy::mut_from_ref)]
+    #[inline]
     pub unsafe fn at(&self, i: usize) -> &'a mut T {
         assert!(i < self.len, "element {i} of a slice of {}", self.len);
         // SAFETY: in bounds (checked); not aliased (the caller's contract).
         unsafe { &mut *self.ptr.add(i) }
     }
 
+    #[inline]
     pub fn len(&self) -> usize {
         self.len
     }
 
+    #[inline]
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }

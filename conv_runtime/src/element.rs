@@ -26,16 +26,17 @@ pub trait Element: Copy + Debug + Default + PartialEq + Send + Sync + 'static {
     /// Widens a slice (vectorized for the half types).
     #[inline]
     fn to_acc_slice(src: &[Self], dst: &mut [Self::Acc]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = s.to_acc();
+        // An index loop: `zip` is a call across codegen units without LTO.
+        for i in 0..dst.len().min(src.len()) {
+            dst[i] = src[i].to_acc();
         }
     }
 
     /// Rounds a slice (vectorized for the half types).
     #[inline]
     fn from_acc_slice(src: &[Self::Acc], dst: &mut [Self]) {
-        for (d, s) in dst.iter_mut().zip(src) {
-            *d = Self::from_acc(*s);
+        for i in 0..dst.len().min(src.len()) {
+            dst[i] = Self::from_acc(src[i]);
         }
     }
 }

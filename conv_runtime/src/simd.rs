@@ -65,8 +65,10 @@ pub trait Simd: Copy {
     /// As [`Simd::zero`]; `out` is at least as long as `v`.
     #[inline(always)]
     unsafe fn sums(v: &[Self], out: &mut [Self::Elem]) {
-        for (o, x) in out.iter_mut().zip(v) {
-            *o = x.sum();
+        // Index loops, here and below: iterator adapters and `copy_from_slice` are calls across
+        // codegen units without LTO.
+        for i in 0..v.len().min(out.len()) {
+            out[i] = v[i].sum();
         }
     }
 
@@ -78,7 +80,7 @@ pub trait Simd: Copy {
         let (mut ta, mut tb) = ([Self::Elem::zero(); 16], [Self::Elem::zero(); 16]);
         a.store(ta.as_mut_ptr());
         b.store(tb.as_mut_ptr());
-        ta[n..Self::LANES].copy_from_slice(&tb[n..Self::LANES]);
+        std::ptr::copy_nonoverlapping(tb.as_ptr().add(n), ta.as_mut_ptr().add(n), Self::LANES - n);
         Self::load(ta.as_ptr())
     }
 
@@ -145,6 +147,8 @@ pub type PortableF32 = Sse2F32;
 #[cfg(target_arch = "x86_64")]
 pub type PortableF64 = Sse2F64;
 
+// Index loops: `array::from_fn`'s closure is a call across codegen units without LTO.
+#[allow(clippy::needless_range_loop)]
 impl<R: Real, const L: usize> Simd for Lanes<R, L> {
     type Elem = R;
     const LANES: usize = L;
@@ -167,29 +171,45 @@ impl<R: Real, const L: usize> Simd for Lanes<R, L> {
     #[inline(always)]
     unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
         // Separate multiply and add: `mul_add` without hardware FMA is a libm call.
-        Self(std::array::from_fn(|i| a.0[i] * b.0[i] + c.0[i]))
+        let mut r = c.0;
+        for i in 0..L {
+            r[i] = a.0[i] * b.0[i] + c.0[i];
+        }
+        Self(r)
     }
     #[inline(always)]
     unsafe fn add(self, o: Self) -> Self {
-        Self(std::array::from_fn(|i| self.0[i] + o.0[i]))
+        let mut r = self.0;
+        for i in 0..L {
+            r[i] = self.0[i] + o.0[i];
+        }
+        Self(r)
     }
     #[inline(always)]
     unsafe fn sub(self, o: Self) -> Self {
-        Self(std::array::from_fn(|i| self.0[i] - o.0[i]))
+        let mut r = self.0;
+        for i in 0..L {
+            r[i] = self.0[i] - o.0[i];
+        }
+        Self(r)
     }
     #[inline(always)]
     unsafe fn mul(self, o: Self) -> Self {
-        Self(std::array::from_fn(|i| self.0[i] * o.0[i]))
+        let mut r = self.0;
+        for i in 0..L {
+            r[i] = self.0[i] * o.0[i];
+        }
+        Self(r)
     }
     #[inline(always)]
     unsafe fn max(self, o: Self) -> Self {
-        Self(std::array::from_fn(|i| {
+        let mut r = o.0;
+        for i in 0..L {
             if self.0[i] > o.0[i] {
-                self.0[i]
-            } else {
-                o.0[i]
+                r[i] = self.0[i];
             }
-        }))
+        }
+        Self(r)
     }
 }
 
@@ -390,10 +410,13 @@ mod x86 {
     /// tree (halves, then lanes two apart, then neighbours), so the same bits.
     #[inline(always)]
     unsafe fn sums_f32(v: &[Avx2F32], out: &mut [f32]) {
-        for (v, out) in v.chunks(8).zip(out.chunks_mut(8)) {
+        let len = v.len().min(out.len());
+        let mut start = 0;
+        while start < len {
+            let n = (len - start).min(8);
             let mut g = [_mm256_setzero_ps(); 8];
-            for (g, x) in g.iter_mut().zip(v) {
-                *g = x.0;
+            for i in 0..n {
+                g[i] = v[start + i].0;
             }
             // u[i]: vector i's halves added (lanes 0-3), vector i + 4's (lanes 4-7).
             let mut u = [_mm256_setzero_ps(); 4];
@@ -407,8 +430,8 @@ mod x86 {
             let sums = _mm256_hadd_ps(two_apart(u[0], u[1]), two_apart(u[2], u[3]));
             let mut t = [0.0f32; 8];
             _mm256_storeu_ps(t.as_mut_ptr(), sums);
-            let n = out.len().min(v.len());
-            out[..n].copy_from_slice(&t[..n]);
+            std::ptr::copy_nonoverlapping(t.as_ptr(), out.as_mut_ptr().add(start), n);
+            start += 8;
         }
     }
 
@@ -426,10 +449,13 @@ mod x86 {
     /// [`sum_f64`] of up to four vectors at once, transposed, bit for bit (see [`sums_f32`]).
     #[inline(always)]
     unsafe fn sums_f64(v: &[Avx2F64], out: &mut [f64]) {
-        for (v, out) in v.chunks(4).zip(out.chunks_mut(4)) {
+        let len = v.len().min(out.len());
+        let mut start = 0;
+        while start < len {
+            let n = (len - start).min(4);
             let mut g = [_mm256_setzero_pd(); 4];
-            for (g, x) in g.iter_mut().zip(v) {
-                *g = x.0;
+            for i in 0..n {
+                g[i] = v[start + i].0;
             }
             // [0 0 | 2 2] and [1 1 | 3 3], halves added, then neighbours.
             let (a, b) = (
@@ -445,8 +471,8 @@ mod x86 {
             let sums = _mm256_hadd_pd(a, b);
             let mut t = [0.0f64; 4];
             _mm256_storeu_pd(t.as_mut_ptr(), sums);
-            let n = out.len().min(v.len());
-            out[..n].copy_from_slice(&t[..n]);
+            std::ptr::copy_nonoverlapping(t.as_ptr(), out.as_mut_ptr().add(start), n);
+            start += 4;
         }
     }
 

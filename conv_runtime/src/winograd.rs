@@ -324,8 +324,13 @@ impl Variant for F2x3S2 {
 /// `x` followed by zeros.
 #[inline(always)]
 fn pad<S: Simd, const K: usize>(x: [S; K]) -> [S; MAX] {
+    const { assert!(K <= MAX) };
     // SAFETY: a zero vector needs no CPU feature beyond the ones `x` was computed with.
-    core::array::from_fn(|i| if i < K { x[i] } else { unsafe { S::zero() } })
+    // A copy, not `array::from_fn`: its closure is a call across codegen units without LTO.
+    let mut out = [unsafe { S::zero() }; MAX];
+    // SAFETY: `K <= MAX` (checked at compile time); the arrays do not overlap.
+    unsafe { core::ptr::copy_nonoverlapping(x.as_ptr(), out.as_mut_ptr(), K) };
+    out
 }
 
 /// A constant in the element type.
@@ -334,12 +339,13 @@ fn c<T: crate::element::Element>(x: f64) -> T {
     T::from_f64(x)
 }
 
-/// Loads column `j` of a tile (`N` rows) as the 1-D transforms take it.
+/// Loads a column of a tile (`N` rows, from `top` on, `step` apart) as the 1-D transforms
+/// take it.
 #[inline(always)]
-unsafe fn column<V: Variant, S: Simd>(at: impl Fn(usize) -> *const S::Elem) -> [S; MAX] {
+unsafe fn column<V: Variant, S: Simd>(top: *const S::Elem, step: usize) -> [S; MAX] {
     let mut x = [S::zero(); MAX];
     for i in 0..V::N {
-        x[i] = S::load(at(i));
+        x[i] = S::load(top.add(i * step));
     }
     x
 }
@@ -359,7 +365,7 @@ pub unsafe fn input<V: Variant, S: Simd>(
 ) {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
-        let c = V::bt(column::<V, S>(|i| x.add(i * row + j * col)));
+        let c = V::bt(column::<V, S>(x.add(j * col), row));
         for i in 0..V::N {
             t[i][j] = c[i];
         }
@@ -381,7 +387,7 @@ pub unsafe fn input<V: Variant, S: Simd>(
 pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [[S; MAX]; MAX] {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
-        let c = V::at(column::<V, S>(|i| m.add((V::N * i + j) * stride)));
+        let c = V::at(column::<V, S>(m.add(j * stride), V::N * stride));
         for i in 0..V::M {
             t[i][j] = c[i];
         }
@@ -400,7 +406,7 @@ pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [
 /// Every address written holds `S::LANES` elements.
 #[inline(always)]
 pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; MAX]; MAX], n: *mut S::Elem, stride: usize) {
-    let t = separable(dy, V::M, V::N, |x| unsafe { V::a(x) });
+    let t = separable::<V, S, A>(dy, V::M, V::N);
     for i in 0..V::N {
         for j in 0..V::N {
             t[i][j].store(n.add((V::N * i + j) * stride));
@@ -427,7 +433,7 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
 ) {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
-        let c = V::b(column::<V, S>(|i| dv.add((V::N * i + j) * stride)));
+        let c = V::b(column::<V, S>(dv.add(j * stride), V::N * stride));
         for i in 0..V::N {
             t[i][j] = c[i];
         }
@@ -445,28 +451,42 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
     }
 }
 
-/// `F x F^T` for a 1-D transform `f` from `n` entries to `m`: along the columns, then the rows.
+/// The 1-D transforms [`separable`] applies, chosen by a constant rather than passed as a
+/// closure: a closure is a call across codegen units without LTO.
+const G: u8 = 0;
+const GT: u8 = 1;
+const A: u8 = 2;
+
+/// `F x F^T` for the 1-D transform `F` (`V::g`, `V::gt` or `V::a`) from `n` entries to `m`:
+/// along the columns, then the rows.
 #[inline(always)]
-unsafe fn separable<S: Simd>(
+unsafe fn separable<V: Variant, S: Simd, const F: u8>(
     x: [[S; MAX]; MAX],
     n: usize,
     m: usize,
-    f: impl Fn([S; MAX]) -> [S; MAX],
 ) -> [[S; MAX]; MAX] {
+    #[inline(always)]
+    unsafe fn f<V: Variant, S: Simd, const F: u8>(x: [S; MAX]) -> [S; MAX] {
+        match F {
+            G => V::g(x),
+            GT => V::gt(x),
+            _ => V::a(x),
+        }
+    }
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..n {
         let mut column = [S::zero(); MAX];
         for i in 0..n {
             column[i] = x[i][j];
         }
-        let c = f(column);
+        let c = f::<V, S, F>(column);
         for i in 0..m {
             t[i][j] = c[i];
         }
     }
     let mut y = [[S::zero(); MAX]; MAX];
     for i in 0..m {
-        y[i] = f(t[i]);
+        y[i] = f::<V, S, F>(t[i]);
     }
     y
 }
@@ -478,7 +498,7 @@ unsafe fn separable<S: Simd>(
 /// As [`Simd::zero`].
 #[inline(always)]
 pub unsafe fn weight<V: Variant, S: Simd>(g: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
-    separable(g, V::R, V::N, |x| unsafe { V::g(x) })
+    separable::<V, S, G>(g, V::R, V::N)
 }
 
 /// `G^T du G`, the adjoint of [`weight`]: a transformed-domain gradient back to `[kh][kw]`
@@ -488,7 +508,7 @@ pub unsafe fn weight<V: Variant, S: Simd>(g: [[S; MAX]; MAX]) -> [[S; MAX]; MAX]
 /// As [`Simd::zero`].
 #[inline(always)]
 pub unsafe fn weight_gradient<V: Variant, S: Simd>(du: [[S; MAX]; MAX]) -> [[S; MAX]; MAX] {
-    separable(du, V::N, V::R, |x| unsafe { V::gt(x) })
+    separable::<V, S, GT>(du, V::N, V::R)
 }
 
 #[cfg(test)]
