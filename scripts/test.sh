@@ -33,6 +33,11 @@ run() {
 run cargo test --workspace --release --features $features
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
 CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward --test network
+# The numeric suites built for this machine's CPU: where it has AVX2+FMA, the generated code
+# compiles no portable fallback and calls the AVX2 kernels without a check (its own target dir:
+# other flags rebuild everything).
+RUSTFLAGS="-C target-cpu=native" run cargo test --release --target-dir target/native \
+    --test conformance_forward --test conformance_training --test specs_forward --test network
 # The numeric suites on a 2-thread device that splits every call (tests/common: `cpu()`), so the
 # parallel paths meet the references too (tests/threads.rs holds them to the 1-thread bits).
 CONV2D_TEST_THREADS=2 run cargo test --release --features $features --test conformance_forward \

@@ -107,9 +107,18 @@ pub trait Simd: Copy {
 
 /// Whether the AVX2+FMA kernels run: where the CPU has them, unless the environment variable
 /// `CONV2D_SIMD=portable` asks for the portable kernels (to test them, or to compare). Decided
-/// once per process.
+/// once per process. Always, without a look at either, in a build whose target has AVX2 and
+/// FMA (`-C target-cpu=native` on such a CPU): generated code compiles no portable kernels
+/// there.
 #[inline]
 pub fn avx2_fma() -> bool {
+    if cfg!(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )) {
+        return true;
+    }
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
         let portable = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "portable");

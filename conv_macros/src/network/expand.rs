@@ -656,13 +656,15 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     fn __rows_body<const __B: usize, const __KEEP: bool>(#params) {
                         #body
                     }
-                    #[cfg(target_arch = "x86_64")]
+                    // Compiled once, for the target's features, where they include AVX2 and
+                    // FMA (see `dispatched`).
+                    #[cfg(all(target_arch = "x86_64", not(all(target_feature = "avx2", target_feature = "fma"))))]
                     #[target_feature(enable = "avx2,fma")]
                     unsafe fn __rows_avx2<const __B: usize, const __KEEP: bool>(#params) {
                         __rows_body::<{ __B }, { __KEEP }>(#args)
                     }
                     fn __rows<const __B: usize, const __KEEP: bool>(#params) {
-                        #[cfg(target_arch = "x86_64")]
+                        #[cfg(all(target_arch = "x86_64", not(all(target_feature = "avx2", target_feature = "fma"))))]
                         if #rt::avx2_fma() {
                             // SAFETY: the CPU has AVX2 and FMA.
                             return unsafe { __rows_avx2::<{ __B }, { __KEEP }>(#args) };
