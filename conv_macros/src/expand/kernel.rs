@@ -243,6 +243,17 @@ pub fn write_accumulators(
     quote!(#(#writes)*)
 }
 
+/// The `cfg` predicate of a target that has AVX2 and FMA itself (`-C target-cpu=native` on
+/// such a CPU), evaluated with the user's crate flags: there the AVX2 kernels run without a
+/// check and no portable copy is compiled. (`conv_runtime::avx2_fma` tests the same.)
+pub fn avx2_target() -> TokenStream {
+    quote!(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    ))
+}
+
 /// `name_kernel::<S, ..>` (the body, generic over the vectors), `name_avx2`, `name_portable`
 /// and `name`, the dispatcher. `generics` are extra const generics (`const N: usize, ...`),
 /// `args` their names.
@@ -265,6 +276,7 @@ pub fn dispatched(
     let kernel = format_ident!("{}_kernel", name);
     let avx2_fn = format_ident!("{}_avx2", name);
     let portable_fn = format_ident!("{}_portable", name);
+    let avx2_target = avx2_target();
     quote! {
         #[inline(always)]
         unsafe fn #kernel<__S: #rt::Simd<Elem = __A>, #generics>(#params) {
@@ -280,7 +292,7 @@ pub fn dispatched(
         /// The kernel for CPUs without AVX2 and FMA, compiled once: not inlined into every
         /// caller of the dispatcher. Not compiled at all where the target has AVX2 and FMA
         /// (`-C target-cpu=native` on such a CPU): there it could never run.
-        #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+        #[cfg(not(#avx2_target))]
         #[inline(never)]
         unsafe fn #portable_fn<#generics>(#params) {
             #kernel::<#portable, #generic_args>(#args)
@@ -290,11 +302,11 @@ pub fn dispatched(
         /// The slices have the lengths the kernel's index arithmetic is built on.
         #[inline(always)]
         unsafe fn #name<#generics>(#params) {
-            #[cfg(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma"))]
+            #[cfg(#avx2_target)]
             {
                 #avx2_fn::<#generic_args>(#args)
             }
-            #[cfg(not(all(target_arch = "x86_64", target_feature = "avx2", target_feature = "fma")))]
+            #[cfg(not(#avx2_target))]
             {
                 #[cfg(target_arch = "x86_64")]
                 {

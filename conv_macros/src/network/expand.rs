@@ -23,7 +23,7 @@ use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
 use super::spec::{Entry, Kind, Network, Pool, PoolKind, Shape};
-use crate::expand::{acc, elem, lit, rt, types::params};
+use crate::expand::{acc, elem, kernel::avx2_target, lit, rt, types::params};
 use crate::spec::{Activation, Dtype, Norm};
 
 /// Bytes of running values a pooling kernel keeps per chunk of channels: two AVX2 vectors,
@@ -650,6 +650,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
             };
             // Each kernel's rows through `__rows`: compiled for AVX2 where the CPU has it, so
             // that the channel loops (innermost, contiguous, branch-free) vectorize.
+            let avx2_target = avx2_target();
             let rows_fn = |params: TokenStream, args: TokenStream, body: TokenStream| {
                 quote! {
                     #[inline(always)]
@@ -658,13 +659,13 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     }
                     // Compiled once, for the target's features, where they include AVX2 and
                     // FMA (see `dispatched`).
-                    #[cfg(all(target_arch = "x86_64", not(all(target_feature = "avx2", target_feature = "fma"))))]
+                    #[cfg(all(target_arch = "x86_64", not(#avx2_target)))]
                     #[target_feature(enable = "avx2,fma")]
                     unsafe fn __rows_avx2<const __B: usize, const __KEEP: bool>(#params) {
                         __rows_body::<{ __B }, { __KEEP }>(#args)
                     }
                     fn __rows<const __B: usize, const __KEEP: bool>(#params) {
-                        #[cfg(all(target_arch = "x86_64", not(all(target_feature = "avx2", target_feature = "fma"))))]
+                        #[cfg(all(target_arch = "x86_64", not(#avx2_target)))]
                         if #rt::avx2_fma() {
                             // SAFETY: the CPU has AVX2 and FMA.
                             return unsafe { __rows_avx2::<{ __B }, { __KEEP }>(#args) };
