@@ -912,3 +912,111 @@ wide_case!(
     f32,
     1e-5
 );
+
+/// A convolution and a max-pooling as `network!` fuses them in `evaluate` (the pooling in the
+/// convolution's epilogue), and the same two with an `Identity` activation between them, which
+/// keeps them apart: the same parameters give the same bits.
+macro_rules! fused_and_apart {
+    ($fused:ident, $apart:ident, $t:ty, $input:tt, $conv:tt, $pool:tt) => {
+        conv_runtime::network! {
+            pub struct $fused { input: $input, batch: 3, dtype: $t, layers: [c: Conv2d $conv, p: MaxPool2d $pool] }
+        }
+        conv_runtime::network! {
+            pub struct $apart {
+                input: $input, batch: 3, dtype: $t,
+                layers: [c: Conv2d $conv, a: Activation(Identity), p: MaxPool2d $pool],
+            }
+        }
+    };
+}
+
+fused_and_apart!(FusedWinograd, ApartWinograd, f32, [16, 16, 16],
+    { out_channels: 32, kernel: 3, padding: 1, activation: Relu },
+    { kernel: 3, stride: 2, padding: 1 });
+fused_and_apart!(FusedDirect, ApartDirect, f32, [11, 9, 3],
+    { out_channels: 8, kernel: 3, padding: 1, activation: Tanh },
+    { kernel: [3, 2], stride: [2, 1], padding: [1, 1] });
+fused_and_apart!(FusedNorm, ApartNorm, f64, [10, 10, 4],
+    { out_channels: 6, kernel: 2, stride: 1, norm: BatchNorm { momentum: 0.1, eps: 1e-5 } },
+    { kernel: 2, stride: 2 });
+fused_and_apart!(FusedHalf, ApartHalf, bf16, [12, 12, 8],
+    { out_channels: 16, kernel: 3, padding: 1, activation: Relu },
+    { kernel: 3, stride: 2, padding: 1 });
+
+#[test]
+fn max_pooling_in_the_convolution_epilogue_keeps_the_bits() {
+    macro_rules! check {
+        ($fused:ident, $input:ident, $output:ident, $apart:ident, $t:ty, $nan:expr) => {{
+            // The same seed initializes the same convolution.
+            let fused = $fused::new(&mut Rng::seed_from_u64(7));
+            let apart = $apart::new(&mut Rng::seed_from_u64(7));
+            let (mut p, mut q) = (Vec::new(), Vec::new());
+            Parameters::visit(&fused, &mut |_, v| p.extend(common::to_f64(v)));
+            Parameters::visit(&apart, &mut |_, v| q.extend(common::to_f64(v)));
+            assert_eq!(p, q);
+            // Signs mixed, one NaN in the first image: NaN windows pool as they do apart (ReLU
+            // in registers drops NaN, as `max(x, 0)`).
+            let mut rng = SplitMix64::new(11);
+            let mut x =
+                $input::<3>::from_fn(|_| <$t as Element>::from_f64(rng.next_f64() * 4.0 - 2.0));
+            x.as_mut_slice()[17] = <$t as Element>::from_f64(f64::NAN);
+            for threads in [1, 2, 3, 7] {
+                let mut cpu = Cpu::with_threads(threads).unwrap().__split_everything();
+                let mut a = $output::<3>::zeros();
+                let mut b = a.clone();
+                fused.evaluate(&mut cpu, &x, &mut a).unwrap();
+                apart.evaluate(&mut cpu, &x, &mut b).unwrap();
+                let bits = |v: &[$t]| {
+                    v.iter()
+                        .map(|v| <$t as Element>::to_f64(*v).to_bits())
+                        .collect::<Vec<_>>()
+                };
+                assert_eq!(
+                    bits(a.as_slice()),
+                    bits(b.as_slice()),
+                    "{} on {threads} threads",
+                    stringify!($fused)
+                );
+                assert_eq!(
+                    a.as_slice()
+                        .iter()
+                        .any(|v| <$t as Element>::to_f64(*v).is_nan()),
+                    $nan
+                );
+            }
+        }};
+    }
+    use conv_runtime::Element;
+    check!(
+        FusedWinograd,
+        FusedWinogradInput,
+        FusedWinogradOutput,
+        ApartWinograd,
+        f32,
+        false
+    );
+    check!(
+        FusedDirect,
+        FusedDirectInput,
+        FusedDirectOutput,
+        ApartDirect,
+        f32,
+        true
+    );
+    check!(
+        FusedNorm,
+        FusedNormInput,
+        FusedNormOutput,
+        ApartNorm,
+        f64,
+        true
+    );
+    check!(
+        FusedHalf,
+        FusedHalfInput,
+        FusedHalfOutput,
+        ApartHalf,
+        bf16,
+        false
+    );
+}

@@ -238,6 +238,22 @@ impl<'a, T> Shared<'a, T> {
         unsafe { std::slice::from_raw_parts_mut(self.ptr.add(start), len) }
     }
 
+    /// Elements `start..start + len`, read while workers write other parts.
+    ///
+    /// # Safety
+    /// No part overlapping these elements is written while the slice is in use.
+    #[inline]
+    pub unsafe fn read(&self, start: usize, len: usize) -> &'a [T] {
+        assert!(
+            start <= self.len && len <= self.len - start,
+            "read {start}..{} of a slice of {}",
+            start + len,
+            self.len
+        );
+        // SAFETY: in bounds (checked); not written while in use (the caller's contract).
+        unsafe { std::slice::from_raw_parts(self.ptr.add(start), len) }
+    }
+
     /// Element `i`, for workers that write disjoint scattered elements.
     ///
     /// # Safety

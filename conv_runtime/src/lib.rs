@@ -30,6 +30,7 @@ mod cpu;
 pub mod cuda;
 mod element;
 mod error;
+mod fused;
 pub mod head;
 pub mod init;
 pub mod loss;
@@ -118,6 +119,7 @@ pub mod __private {
     pub use crate::cpu::{CpuScalar, PackKey, Pool, Shared, Workspace, ELEMENT_WORK};
     #[cfg(feature = "cuda")]
     pub use crate::cuda;
+    pub use crate::fused::PoolGate;
     pub use crate::init::kaiming_uniform;
     pub use crate::network::{
         view, view_mut, Dense, DenseWeights, Entries, EntryInfo, EntryKind, PoolGeometry,

@@ -145,7 +145,7 @@ fn stage_fn(spec: &Spec) -> TokenStream {
     }
 }
 
-/// The forward convolution: `conv::<B, RELU>(cpu, layer, x, ya, epilogue)`.
+/// The forward convolution: `conv::<B, RELU>(cpu, layer, x, ya, epilogue, then)`.
 fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let xs_array = array_by_loop(
         quote!(__P),
@@ -194,9 +194,10 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         quote! {
             x: &[__A], w: &[__A], y: #rt::Shared<'_, __A>, tail: &mut [__A],
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            then: &(dyn ::core::ops::Fn(usize, usize) + ::core::marker::Sync),
             tiles: ::core::ops::Range<usize>, relu: bool,
         },
-        quote!(x, w, y, tail, epilogue, tiles, relu),
+        quote!(x, w, y, tail, epilogue, then, tiles, relu),
         quote! {
             // The batch and the ReLU are arguments, not constants: one instantiation serves
             // every call of the layer.
@@ -218,6 +219,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                     yt.copy_from_slice(&tail[..valid * __OC]);
                 }
                 epilogue(yt, q0, valid);
+                then(q0, valid);
             }
         },
     );
@@ -225,15 +227,17 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     quote! {
         /// Convolution + bias of `B` images into `ya` (accumulator type; `None`: scratch), with
         /// `epilogue(tile results, first pixel, pixels)` run on each finished tile while it is
-        /// in cache, on the device's threads (tiles of `P` pixels dealt in contiguous ranges).
-        /// `RELU` applies ReLU in registers.
+        /// in cache, on the device's threads (tiles of `P` pixels dealt in contiguous ranges),
+        /// then `then(first pixel, pixels)` once the tile is final (pooling fused into
+        /// `evaluate`). `RELU` applies ReLU in registers.
         #[inline(always)]
         fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
-            ya: ::core::option::Option<&mut [__A]>,
+            ya: ::core::option::Option<#rt::Shared<'_, __A>>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            then: &(dyn ::core::ops::Fn(usize, usize) + ::core::marker::Sync),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
@@ -253,11 +257,11 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             let (w, pool) = (ws.packed, ws.pool);
             #stage_call
             let (tails, rest) = rest.split_at_mut(parts * __P * __OC);
-            let ya: &mut [__A] = match ya {
+            let ya = match ya {
                 ::core::option::Option::Some(y) => y,
-                ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
+                ::core::option::Option::None => #rt::Shared::new(&mut rest[..__B * __NPIX * __OC]),
             };
-            let (ya, tails) = (#rt::Shared::new(ya), #rt::Shared::new(tails));
+            let tails = #rt::Shared::new(tails);
             pool.run(parts, work, &|_, range| {
                 let first = range.start * tiles / parts;
                 let end = range.end * tiles / parts;
@@ -265,7 +269,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 // disjoint, every slice has the length the kernel is built on (checked in debug).
                 unsafe {
                     let tail = tails.part(range.start * __P * __OC, __P * __OC);
-                    __conv_tiles(xa, w, ya, tail, epilogue, first..end, __RELU);
+                    __conv_tiles(xa, w, ya, tail, epilogue, then, first..end, __RELU);
                 }
             });
         }
@@ -381,44 +385,29 @@ fn operations(spec: &Spec) -> TokenStream {
     // through `Shared` slices, in the tiles' disjoint pixel ranges.
     let part = quote!(unsafe { out.part(q0 * __OC, n * __OC) });
     let aliased = super::output_is_pre_activation(spec);
-    let (evaluate, forward) = match spec.norm {
-        Norm::None if half => (
-            quote! {
+    // `evaluate`'s body, each tile handed to `then` (`None`: plain `evaluate`) once final.
+    let evaluate = |then: Option<TokenStream>| {
+        let done = then.map_or(
+            quote!(&|_, _| {}),
+            |then| quote!(&|q0, n| #then(&out, q0, n)),
+        );
+        match spec.norm {
+            Norm::None if half => quote! {
                 let out = #rt::Shared::new(output.as_mut_slice());
                 __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
                     if !#relu { #apply(ya); }
                     // SAFETY: the tile's own pixels.
                     #store(ya, #part);
-                });
+                }, #done);
             },
-            quote! {
-                let pre = #rt::Shared::new(state.pre_activation.as_mut_slice());
-                let out = #rt::Shared::new(state.output.as_mut_slice());
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
-                    // SAFETY: the tile's own pixels.
-                    #store(ya, unsafe { pre.part(q0 * __OC, n * __OC) });
-                    #apply(ya);
-                    #store(ya, #part);
-                });
-            },
-        ),
-        Norm::None => (
-            quote! {
+            Norm::None => quote! {
                 // The tiles are the output itself: the activation runs in place, in cache.
-                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(output.as_mut_slice()), &|ya, _, _| {
+                let out = #rt::Shared::new(output.as_mut_slice());
+                __conv::<{ __B }, #relu>(self, layer, input.as_slice(), ::core::option::Option::Some(out), &|ya, _, _| {
                     if !#relu { #apply(ya); }
-                });
+                }, #done);
             },
-            quote! {
-                let out = #rt::Shared::new(state.output.as_mut_slice());
-                __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.pre_activation.as_mut_slice()), &|ya, q0, n| {
-                    // SAFETY: the tile's own pixels.
-                    #rt::activation::apply_to::<#act, _>(ya, #part);
-                });
-            },
-        ),
-        Norm::BatchNorm { .. } => (
-            quote! {
+            Norm::BatchNorm { .. } => quote! {
                 // Running statistics fold into one scale and shift per channel, applied to
                 // each tile while it is in cache.
                 let (scale, shift) = __eval_affine(layer);
@@ -431,27 +420,40 @@ fn operations(spec: &Spec) -> TokenStream {
                     }
                     // SAFETY: the tile's own pixels.
                     #store(ya, #part);
-                });
+                }, #done);
             },
-            quote! {
-                __conv_to_state(self, layer, input.as_slice(), state);
-                __norm_forward(self.__pool(), layer, state, mode);
-            },
-        ),
-        Norm::LayerNorm { .. } => (
-            quote! {
+            Norm::LayerNorm { .. } => quote! {
                 let out = #rt::Shared::new(output.as_mut_slice());
                 __conv::<{ __B }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
                     // SAFETY: the tile's own pixels.
                     #store(ya, #part);
-                });
+                }, &|_, _| {});
                 __evaluate_norm(self.__pool(), layer, output.as_mut_slice());
             },
-            quote! {
-                __conv_to_state(self, layer, input.as_slice(), state);
-                __norm_forward(self.__pool(), layer, state, mode);
-            },
-        ),
+        }
+    };
+    let forward = match spec.norm {
+        Norm::None if half => quote! {
+            let pre = #rt::Shared::new(state.pre_activation.as_mut_slice());
+            let out = #rt::Shared::new(state.output.as_mut_slice());
+            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
+                // SAFETY: the tile's own pixels.
+                #store(ya, unsafe { pre.part(q0 * __OC, n * __OC) });
+                #apply(ya);
+                #store(ya, #part);
+            }, &|_, _| {});
+        },
+        Norm::None => quote! {
+            let out = #rt::Shared::new(state.output.as_mut_slice());
+            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(#rt::Shared::new(state.pre_activation.as_mut_slice())), &|ya, q0, n| {
+                // SAFETY: the tile's own pixels.
+                #rt::activation::apply_to::<#act, _>(ya, #part);
+            }, &|_, _| {});
+        },
+        Norm::BatchNorm { .. } | Norm::LayerNorm { .. } => quote! {
+            __conv_to_state(self, layer, input.as_slice(), state);
+            __norm_forward(self.__pool(), layer, state, mode);
+        },
     };
     // Without an activation or norm the state's one map is output and pre-activation: the
     // forward pass writes it as `evaluate` writes its output.
@@ -462,37 +464,57 @@ fn operations(spec: &Spec) -> TokenStream {
             __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::None, &|ya, q0, n| {
                 // SAFETY: the tile's own pixels.
                 #store(ya, #part);
-            });
+            }, &|_, _| {});
         },
         (true, false) => quote! {
-            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(state.output.as_mut_slice()), &|_, _, _| {});
+            __conv::<{ __BATCH }, false>(self, layer, input.as_slice(), ::core::option::Option::Some(#rt::Shared::new(state.output.as_mut_slice())), &|_, _, _| {}, &|_, _| {});
         },
     };
 
     let some = quote!(::core::option::Option::Some);
     let none = quote!(::core::option::Option::None);
     let ok = quote!(::core::result::Result::Ok(()));
-    super::types::device_impl(spec, quote!(#rt::Cpu), |method| match method {
-        "evaluate" => quote! {
-            #evaluate
-            #ok
+    // LayerNorm's statistics need the whole image: its tiles are final only after it.
+    let evaluate_then = match spec.norm {
+        Norm::LayerNorm { .. } => TokenStream::new(),
+        _ => {
+            let signature = super::types::evaluate_then_signature(spec);
+            let body = evaluate(Some(quote!(then)));
+            quote! {
+                #signature {
+                    #body
+                    ::core::result::Result::Ok(true)
+                }
+            }
+        }
+    };
+    let evaluate = evaluate(None);
+    super::types::device_impl_with(
+        spec,
+        quote!(#rt::Cpu),
+        |method| match method {
+            "evaluate" => quote! {
+                #evaluate
+                #ok
+            },
+            "forward" => quote! {
+                let _ = mode;
+                #forward
+                #ok
+            },
+            "backward_input" => quote! {
+                __backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode);
+                #ok
+            },
+            "backward" => quote! {
+                __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode);
+                #ok
+            },
+            _ => quote! {
+                __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode);
+                #ok
+            },
         },
-        "forward" => quote! {
-            let _ = mode;
-            #forward
-            #ok
-        },
-        "backward_input" => quote! {
-            __backward_pass(self, layer, state, &[], d_output.as_slice(), #some(d_input.as_mut_slice()), #none, mode);
-            #ok
-        },
-        "backward" => quote! {
-            __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #none, #some(grads), mode);
-            #ok
-        },
-        _ => quote! {
-            __backward_pass(self, layer, state, input.as_slice(), d_output.as_slice(), #some(d_input.as_mut_slice()), #some(grads), mode);
-            #ok
-        },
-    })
+        evaluate_then,
+    )
 }

@@ -432,7 +432,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
     quote! {
         /// Dense layer + bias of `B` rows into `ya` (`None`: scratch), with
         /// `epilogue(rows' results, first row, rows)` on each worker's rows while in cache (on
-        /// all rows at the end where the rows are too few for the threads).
+        /// all rows at the end where the rows are too few for the threads), then `then(first
+        /// row, rows)` once they are final.
         /// `RELU` is applied by the epilogue's activation (the dense kernels keep no ReLU of
         /// their own).
         #[inline(always)]
@@ -440,8 +441,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
-            ya: ::core::option::Option<&mut [__A]>,
+            ya: ::core::option::Option<#rt::Shared<'_, __A>>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            then: &(dyn ::core::ops::Fn(usize, usize) + ::core::marker::Sync),
         ) {
             // Below a register tile of rows, the pass streams its weights from memory at about
             // the cost of that many rows' multiply-adds (Nature DQN's 3136 x 512 at batch 1:
@@ -456,11 +458,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 y_scratch,
             );
             let pool = ws.pool;
-            let y: &mut [__A] = match ya {
+            let y = match ya {
                 ::core::option::Option::Some(y) => y,
-                ::core::option::Option::None => &mut ws.scratch[..__B * __OC],
+                ::core::option::Option::None => #rt::Shared::new(&mut ws.scratch[..__B * __OC]),
             };
-            let y = #rt::Shared::new(y);
             let (w, b) = (layer.weights.as_slice(), layer.biases.as_slice());
             let relu = |out: &mut [__A], q0: usize, n: usize| {
                 if __RELU {
@@ -481,6 +482,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     unsafe {
                         __dense_forward(x, w, b, &y, batch.clone(), 0..__OC);
                         relu(y.part(batch.start * __OC, batch.len() * __OC), batch.start, batch.len());
+                        then(batch.start, batch.len());
                     }
                 });
             } else {
@@ -498,6 +500,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 });
                 // SAFETY: the workers are done: the whole output is the caller's.
                 relu(unsafe { y.part(0, __B * __OC) }, 0, __B);
+                then(0, __B);
             }
         }
 

@@ -69,12 +69,12 @@ fn forward(spec: &Spec) -> TokenStream {
             __conv::<{ __BATCH }, false>(cpu, layer, x, ::core::option::Option::None, &|ya, q0, n| {
                 // SAFETY: the tile's own pixels.
                 <__T as #rt::Element>::from_acc_slice(ya, unsafe { z.part(q0 * __OC, n * __OC) });
-            });
+            }, &|_, _| {});
         }
     } else {
         quote! {
-            let z = ::core::option::Option::Some(state.conv.as_mut_slice());
-            __conv::<{ __BATCH }, false>(cpu, layer, x, z, &|_, _, _| {});
+            let z = ::core::option::Option::Some(#rt::Shared::new(state.conv.as_mut_slice()));
+            __conv::<{ __BATCH }, false>(cpu, layer, x, z, &|_, _, _| {}, &|_, _| {});
         }
     };
     let (eps, group) = match spec.norm {

@@ -164,6 +164,16 @@ pub fn device_impl(
     device: TokenStream,
     body: impl Fn(&str) -> TokenStream,
 ) -> TokenStream {
+    device_impl_with(spec, device, body, TokenStream::new())
+}
+
+/// [`device_impl`] with `extra` items in the impl (overrides of the trait's provided methods).
+pub fn device_impl_with(
+    spec: &Spec,
+    device: TokenStream,
+    body: impl Fn(&str) -> TokenStream,
+    extra: TokenStream,
+) -> TokenStream {
     let device_trait = Names::of(spec).device;
     let methods = device_methods(spec).into_iter().map(|m| {
         let (signature, body) = (&m.signature, body(m.name));
@@ -172,7 +182,29 @@ pub fn device_impl(
     quote! {
         impl #device_trait for #device {
             #(#methods)*
+            #extra
         }
+    }
+}
+
+/// The signature of the provided method `__evaluate_then`: `evaluate`, each run of output
+/// pixels handed to `then(output, first pixel, pixels)` once final, on the device's threads,
+/// where the device can (a network's max-pooling in the convolution's epilogue). Returns
+/// whether it did; if not, `then` never ran.
+pub fn evaluate_then_signature(spec: &Spec) -> TokenStream {
+    let rt = rt();
+    let layer = Names::of(spec).layer;
+    let t = elem(spec.dtype);
+    let (ih, iw, ic) = (lit(spec.in_h()), lit(spec.in_w()), lit(spec.in_c()));
+    let (oh, ow, oc) = (lit(spec.out_h()), lit(spec.out_w()), lit(spec.out_channels));
+    quote! {
+        fn __evaluate_then<const __B: usize>(
+            &mut self,
+            layer: &#layer,
+            input: &#rt::Tensor<#t, { __B }, #ih, #iw, #ic>,
+            output: &mut #rt::Tensor<#t, { __B }, #oh, #ow, #oc>,
+            then: &(dyn ::core::ops::Fn(&#rt::Shared<'_, #t>, usize, usize) + ::core::marker::Sync),
+        ) -> #rt::Result<bool>
     }
 }
 
@@ -316,6 +348,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
     });
 
+    let evaluate_then = evaluate_then_signature(spec);
     let trait_methods = device_methods(spec).into_iter().map(|m| {
         let DeviceMethod { doc, signature, .. } = m;
         quote! {
@@ -383,6 +416,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
         #[doc = #layer_doc]
         #vis trait #device {
             #(#trait_methods)*
+
+            #[doc(hidden)]
+            #evaluate_then {
+                let _ = then;
+                self.evaluate(layer, input, output)?;
+                ::core::result::Result::Ok(false)
+            }
         }
 
         impl #layer {
@@ -412,6 +452,20 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 output: &mut #rt::Tensor<#t, { __B }, #oh, #ow, #oc>,
             ) -> #rt::Result<()> {
                 device.evaluate(self, input, output)
+            }
+
+            /// `evaluate`, each run of output pixels handed to `then` once final where the
+            /// device can (see the device trait's `__evaluate_then`).
+            #[doc(hidden)]
+            #[inline]
+            pub fn __evaluate_then<__D: #device, const __B: usize>(
+                &self,
+                device: &mut __D,
+                input: &#rt::Tensor<#t, { __B }, #ih, #iw, #ic>,
+                output: &mut #rt::Tensor<#t, { __B }, #oh, #ow, #oc>,
+                then: &(dyn ::core::ops::Fn(&#rt::Shared<'_, #t>, usize, usize) + ::core::marker::Sync),
+            ) -> #rt::Result<bool> {
+                device.__evaluate_then(self, input, output, then)
             }
 
             /// Forward pass on the training batch, keeping pre-activations and statistics in

@@ -282,9 +282,10 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         quote! {
             x: &[__T], xs: &mut [__A], u: &[__A], v: &mut [__A], m: &mut [__A], y: #rt::Shared<'_, __A>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            then: &(dyn ::core::ops::Fn(usize, usize) + ::core::marker::Sync),
             tile_rows: ::core::ops::Range<usize>, relu: bool,
         },
-        quote!(x, xs, u, v, m, y, epilogue, tile_rows, relu),
+        quote!(x, xs, u, v, m, y, epilogue, then, tile_rows, relu),
         quote! {
             // The batch and the ReLU are arguments, not constants: one instantiation serves
             // every call of the layer.
@@ -338,6 +339,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     }
                 }
                 epilogue(yt, first, end_pixel - first);
+                then(first, end_pixel - first);
                 r0 += rows;
             }
         },
@@ -410,14 +412,16 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
         /// Convolution + bias of `B` images into `ya` (`None`: scratch), with
         /// `epilogue(results, first pixel, pixels)` run on each chunk while it is in cache, on
         /// the device's threads (tile rows dealt in contiguous ranges, each worker with its own
-        /// scratch). `RELU` applies ReLU in registers.
+        /// scratch), then `then(first pixel, pixels)` once the chunk is final. `RELU` applies
+        /// ReLU in registers.
         #[inline(always)]
         fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
             layer: &#layer,
             x: &[__T],
-            ya: ::core::option::Option<&mut [__A]>,
+            ya: ::core::option::Option<#rt::Shared<'_, __A>>,
             epilogue: &(dyn ::core::ops::Fn(&mut [__A], usize, usize) + ::core::marker::Sync),
+            then: &(dyn ::core::ops::Fn(usize, usize) + ::core::marker::Sync),
         ) {
             let key = #rt::PackKey {
                 stamps: [layer.weights.stamp(), layer.biases.stamp()],
@@ -449,11 +453,11 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             );
             let (packed, pool) = (ws.packed, ws.pool);
             let (scratch, rest) = ws.scratch.split_at_mut(parts * __SCRATCH);
-            let y: &mut [__A] = match ya {
+            let y = match ya {
                 ::core::option::Option::Some(y) => y,
-                ::core::option::Option::None => &mut rest[..__B * __NPIX * __OC],
+                ::core::option::Option::None => #rt::Shared::new(&mut rest[..__B * __NPIX * __OC]),
             };
-            let (y, scratch) = (#rt::Shared::new(y), #rt::Shared::new(scratch));
+            let scratch = #rt::Shared::new(scratch);
             pool.run(parts, work, &|_, range| {
                 // SAFETY: each worker has its own scratch (`range` is its own) and chunks;
                 // every slice has the length the kernel is built on (checked in debug).
@@ -462,7 +466,7 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     let (xs, rest) = scratch.split_at_mut(__XS_LEN);
                     let (v, m) = rest.split_at_mut(__ELEMS * __WCT * __WIC);
                     let tile_rows = range.start * rows / parts..range.end * rows / parts;
-                    __wino_tiles(x, xs, packed, v, m, y, epilogue, tile_rows, __RELU);
+                    __wino_tiles(x, xs, packed, v, m, y, epilogue, then, tile_rows, __RELU);
                 }
             });
         }

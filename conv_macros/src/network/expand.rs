@@ -22,7 +22,7 @@
 use proc_macro2::TokenStream;
 use quote::{format_ident, quote};
 
-use super::spec::{Entry, Kind, Network, Pool, PoolKind, Shape};
+use super::spec::{is_fused_pool, Entry, Kind, Network, Pool, PoolKind, Shape};
 use crate::expand::{acc, elem, kernel::avx2_target, lit, rt, types::params};
 use crate::spec::{Activation, Dtype, Norm};
 
@@ -134,8 +134,19 @@ pub fn expand(net: &Network) -> TokenStream {
     // State fields and workspaces.
     let state_fields = all.iter().map(|e| state_field(net, &module, e));
     let state_inits = all.iter().map(|e| state_init(&module, e, net.batch));
-    let eval_fields = all.iter().filter_map(|e| buffer_field(net, e, &generic_b));
-    let eval_inits = all.iter().filter_map(|e| buffer_init(e));
+    let fused = net.fused_pools();
+    let gate_names: Vec<_> = fused.iter().map(|e| gate_field(e)).collect();
+    let gate_inits = fused.iter().map(|e| gate_init(e));
+    let eval_fields = all
+        .iter()
+        .filter_map(|e| buffer_field(net, e, &generic_b))
+        .chain(gate_names.iter().map(|g| quote!(pub #g: #rt::PoolGate)));
+    let eval_inits = all.iter().filter_map(|e| buffer_init(e)).chain(
+        gate_names
+            .iter()
+            .zip(gate_inits)
+            .map(|(g, i)| quote!(#g: #i)),
+    );
     let grad_fields = all.iter().filter_map(|e| gradient_field(net, e));
     let grad_inits = all.iter().filter_map(|e| gradient_init(e));
 
@@ -550,6 +561,22 @@ fn buffer_init(e: &Entry) -> Option<TokenStream> {
     (!matches!(e.kind, Kind::Flatten)).then(|| quote!(#field: #rt::Tensor::zeros()))
 }
 
+/// `evaluate`'s progress of a max-pooling fused into the preceding convolution's epilogue.
+fn gate_field(e: &Entry) -> syn::Ident {
+    format_ident!("__gate_{}", e.path)
+}
+
+fn gate_init(e: &Entry) -> TokenStream {
+    let rt = rt();
+    let Kind::Pool(_, pool) = &e.kind else {
+        unreachable!("a gate for an entry that does not pool")
+    };
+    let [ih, iw, _] = e.input.dims().map(lit);
+    let oh = lit(e.output.dims()[0]);
+    let [k, s, p] = [pool.kernel[0], pool.stride[0], pool.padding[0]].map(lit);
+    quote!(#rt::PoolGate::new(__B, [#ih, #iw], #oh, [#k, #s, #p]))
+}
+
 /// The backward passes' buffer for the gradient at an entry's input (none where the entry
 /// passes its output gradient on as it is: `Flatten`).
 /// A residual block's buffer also holds the gradient at its inner list's input.
@@ -716,7 +743,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 for i in rows.clone() {
                                     for j in cols.clone() {
                                         let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
-                                        let xs = &x[px..px + #width];
+                                        let xs = &x[px - base..][..#width];
                                         for l in 0..#width {
                                             let (v, b) = (#to_acc(xs[l]), best[l]);
                                             // PyTorch's `val > maxval || isnan(val)`: the last NaN
@@ -782,7 +809,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 for i in rows.clone() {
                                     for j in cols.clone() {
                                         let px = ((n * #ih + h0 + i - #ph) * #iw + w0 + j - #pw) * #c + c0;
-                                        let xs = &x[px..px + #width];
+                                        let xs = &x[px - base..][..#width];
                                         for l in 0..#width {
                                             sum[l] += #to_acc(xs[l]);
                                         }
@@ -821,8 +848,8 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     }
                 };
             let forward_rows = rows_fn(
-                quote!(x: &[#t], ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, range: ::core::ops::Range<usize>),
-                quote!(x, ys, ws, range),
+                quote!(x: &[#t], base: usize, ys: &#rt::Shared<'_, #t>, ws: &#rt::Shared<'_, u32>, range: ::core::ops::Range<usize>),
+                quote!(x, base, ys, ws, range),
                 quote! {
                     #forward_setup
                     for row in range {
@@ -878,6 +905,30 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     },
                 ),
             };
+            // Max-pooling fused into the preceding convolution's epilogue: one output row at a
+            // time, by the worker that finished the last map row of its windows.
+            let fused = net.fused_pools().iter().any(|f| f.path == e.path);
+            let fused_row = fused.then(|| {
+                let row = format_ident!("__forward_row_{}", e.path);
+                quote! {
+                    /// One output row of max-pooling (`row` of the batch-flattened rows, its
+                    /// windows reading `window`, rows of its image) from a map that the
+                    /// convolution's workers are still writing: only those map rows are read.
+                    pub fn #row<const __B: usize>(
+                        map: &#rt::Shared<'_, #t>,
+                        y: &#rt::Shared<'_, #t>,
+                        row: usize,
+                        window: ::core::ops::Range<usize>,
+                    ) {
+                        #forward_rows
+                        let base = (row / #oh * #ih + window.start) * #iw * #c;
+                        // SAFETY: the window's map rows are final: no worker writes them any
+                        // more (see `PoolGate`).
+                        let x = unsafe { map.read(base, window.len() * #iw * #c) };
+                        __rows::<{ __B }, false>(x, base, y, &#rt::Shared::new(&mut []), row..row + 1);
+                    }
+                }
+            });
             let geometry = format_ident!("__GEOMETRY_{}", e.path);
             let [gh, gw] = [padding[0], padding[1]].map(lit);
             let [kh0, kw0, sh0, sw0] = [kernel[0], kernel[1], stride[0], stride[1]].map(lit);
@@ -896,6 +947,8 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     padding: [#gh, #gw],
                 };
 
+                #fused_row
+
                 #what
                 pub fn #forward<const __B: usize>(
                     pool: &#rt::Pool,
@@ -909,9 +962,9 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     let (ys, ws) = (#rt::Shared::new(y), #rt::Shared::new(winners));
                     pool.split(__B * #oh, #ow * #kh * #kw * #c, &|range| {
                         if keep {
-                            __rows::<{ __B }, true>(x, &ys, &ws, range)
+                            __rows::<{ __B }, true>(x, 0, &ys, &ws, range)
                         } else {
-                            __rows::<{ __B }, false>(x, &ys, &ws, range)
+                            __rows::<{ __B }, false>(x, 0, &ys, &ws, range)
                         }
                     });
                 }
@@ -1032,14 +1085,57 @@ fn emit_evaluate(
     let rt = rt();
     let module = format_ident!("__{}", flow.net.ident);
     let mut cur = input;
+    let dst_of = |i: usize| {
+        let field = format_ident!("{}", entries[i].path);
+        match (&last_into, i + 1 == entries.len()) {
+            (Some(into), true) => into.clone(),
+            _ => quote!(&mut bufs.#field),
+        }
+    };
     for (i, e) in entries.iter().enumerate() {
         let is_last = i + 1 == entries.len();
         let field = format_ident!("{}", e.path);
-        let dst = match (&last_into, is_last) {
-            (Some(into), true) => into.clone(),
-            _ => quote!(&mut bufs.#field),
-        };
+        let dst = dst_of(i);
+        if is_fused_pool(entries, i) {
+            // Run in the convolution's epilogue, or after it where the device cannot.
+            cur = quote!(&bufs.#field);
+            continue;
+        }
         match &e.kind {
+            Kind::Conv(_) if i + 1 < entries.len() && is_fused_pool(entries, i + 1) => {
+                let layer = access(quote!(self), &e.path);
+                let p = &entries[i + 1];
+                let (gate, row) = (gate_field(p), format_ident!("__forward_row_{}", p.path));
+                let pool_dst = dst_of(i + 1);
+                let pool_rows = lit(p.output.dims()[0]);
+                let Kind::Pool(kind, _) = &p.kind else {
+                    unreachable!("a fused pooling that does not pool")
+                };
+                let (f, g) = (
+                    format_ident!("__forward_{}", p.path),
+                    format_ident!("__GEOMETRY_{}", p.path),
+                );
+                let after = pool_call(
+                    *kind,
+                    quote!(device.__avg_pool_forward(&#module::#g, __B, bufs.#field.as_slice(), (#pool_dst).as_mut_slice())),
+                    quote!(#module::#f::<{ __B }>(device.__pool(), bufs.#field.as_slice(), (#pool_dst).as_mut_slice(), &mut []);),
+                );
+                body.extend(quote! {
+                    bufs.#gate.reset();
+                    let __fused = {
+                        let __gate = &bufs.#gate;
+                        let __y = #rt::Shared::new((#pool_dst).as_mut_slice());
+                        #layer.__evaluate_then(device, #cur, &mut bufs.#field, &|__map, __q0, __n| {
+                            __gate.done(__q0, __n, &|__row| {
+                                #module::#row::<{ __B }>(__map, &__y, __row, __gate.window(__row % #pool_rows));
+                            });
+                        })?
+                    };
+                    if !__fused {
+                        #after
+                    }
+                });
+            }
             Kind::Conv(_) | Kind::Dense(_) => {
                 let layer = access(quote!(self), &e.path);
                 body.extend(quote!(#layer.evaluate(device, #cur, #dst)?;));

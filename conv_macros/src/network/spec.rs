@@ -109,6 +109,33 @@ impl Network {
     }
 }
 
+impl Network {
+    /// Max-pooling entries right after a `Conv2d` in the same list: `evaluate` runs them in the
+    /// convolution's epilogue where the device can.
+    pub fn fused_pools(&self) -> Vec<&Entry> {
+        fn walk<'a>(entries: &'a [Entry], out: &mut Vec<&'a Entry>) {
+            for (i, e) in entries.iter().enumerate() {
+                if is_fused_pool(entries, i) {
+                    out.push(e);
+                }
+                if let Kind::Residual(inner) = &e.kind {
+                    walk(inner, out);
+                }
+            }
+        }
+        let mut out = Vec::new();
+        walk(&self.entries, &mut out);
+        out
+    }
+}
+
+/// Whether entry `i` of a list is a max-pooling right after a `Conv2d`.
+pub fn is_fused_pool(entries: &[Entry], i: usize) -> bool {
+    matches!(entries[i].kind, Kind::Pool(PoolKind::Max, _))
+        && i > 0
+        && matches!(entries[i - 1].kind, Kind::Conv(_))
+}
+
 /// Output size of a window along one axis, as conv2d! and PyTorch compute it.
 pub fn window_output(input: usize, padding: usize, kernel: usize, stride: usize) -> usize {
     (input + 2 * padding - kernel) / stride + 1
