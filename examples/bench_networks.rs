@@ -1,7 +1,8 @@
 //! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action
-//! (`evaluate` at batch 1) and the training step at batch 32 (`forward` + `backward` + one Adam
-//! step over the whole network), at each thread count, and the step's three parts (`step_forward`,
-//! `step_backward`, `step_adam`) timed inside consecutive steps. Also MinAtar's dense layer alone at
+//! (`evaluate` at batch 1), `evaluate` at batch 32 (a target network's pass) and the training
+//! step at batch 32 (`forward` + `backward` + one Adam step over the whole network), at each
+//! thread count, and the step's three parts (`step_forward`, `step_backward`, `step_adam`) timed
+//! inside consecutive steps. Also MinAtar's dense layer alone at
 //! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
 //! by skipping zero terms. IMPALA's second max-pooling alone (`maxpool32`): evaluate, forward
 //! with the winners kept, backward. And the device's thread team alone (`pool`, batch column 0):
@@ -284,6 +285,8 @@ macro_rules! bench_network {
         let mut y1 = $output::<1>::zeros();
         let act = time(|| net.evaluate(&mut $cpu, black_box(&x1), &mut y1))?;
         let x = $input::<32>::from_fn(|i| ((i * 7919) % 256) as f32 / 255.0);
+        let mut y32 = $output::<32>::zeros();
+        let evaluate = time(|| net.evaluate(&mut $cpu, black_box(&x), &mut y32))?;
         let d_output = $output::<32>::from_vec(
             (0..$output::<32>::LEN)
                 .map(|i| ((i % 7) as f32 - 3.0) * 1e-3)
@@ -325,6 +328,7 @@ macro_rules! bench_network {
         };
         [
             row("act", 1, act),
+            row("evaluate", 32, evaluate),
             row("train_step", 32, step),
             row("step_forward", 32, forward),
             row("step_backward", 32, backward),

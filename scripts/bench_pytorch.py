@@ -26,8 +26,9 @@ prints them.
 
 With `--networks`, the whole networks of `examples/bench_networks.rs` instead (the Nature DQN,
 the IMPALA CNN, MinAtar's DQN, as `nn.Sequential`, channels_last): `act` is one action
-(`evaluate` at batch 1, inference mode), `train_step` forward, backward from a fixed output
-gradient and one Adam step at batch 32, printing `BENCH_JSON` lines with that example's fields.
+(`evaluate` at batch 1, inference mode), `evaluate` the same at batch 32 (a target network's
+pass), `train_step` forward, backward from a fixed output gradient and one Adam step at batch
+32, printing `BENCH_JSON` lines with that example's fields.
 """
 
 import argparse
@@ -153,8 +154,14 @@ def bench_networks(torch, args, target, repetitions):
                     model(x1).argmax(dim=1)
 
             record("act", 1, act)
-            model.train()
             x = torch.rand(32, c, h, w).contiguous(memory_format=torch.channels_last)
+
+            def evaluate():
+                with torch.inference_mode():
+                    model(x)
+
+            record("evaluate", 32, evaluate)
+            model.train()
             with torch.no_grad():
                 d_output = torch.rand_like(model(x)).mul_(2).sub_(1).mul_(1e-3)
 

@@ -205,6 +205,9 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             ::core::debug_assert!(x.len() >= total / __NPIX * __XH * __XW * __IC && w.len() == __PACKED_LEN);
             ::core::debug_assert!(total % __NPIX == 0 && tail.len() == __P * __OC);
             let (x, w) = (x.as_ptr(), w.as_ptr());
+            // `then` hears of finished pixels a map row at a time (where a tile reaches or
+            // crosses a row's end) and at the range's end: one report per row, not per tile.
+            let (mut reported, last) = (tiles.start * __P, tiles.end);
             for tile in tiles {
                 let q0 = tile * __P;
                 let valid = if total - q0 < __P { total - q0 } else { __P };
@@ -219,7 +222,11 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                     yt.copy_from_slice(&tail[..valid * __OC]);
                 }
                 epilogue(yt, q0, valid);
-                then(q0, valid);
+                let end = q0 + valid;
+                if end / __OW != reported / __OW || tile + 1 == last {
+                    then(reported, end - reported);
+                    reported = end;
+                }
             }
         },
     );
@@ -228,8 +235,8 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         /// Convolution + bias of `B` images into `ya` (accumulator type; `None`: scratch), with
         /// `epilogue(tile results, first pixel, pixels)` run on each finished tile while it is
         /// in cache, on the device's threads (tiles of `P` pixels dealt in contiguous ranges),
-        /// then `then(first pixel, pixels)` once the tile is final (pooling fused into
-        /// `evaluate`). `RELU` applies ReLU in registers.
+        /// then `then(first pixel, pixels)` once they are final, a map row at a time (pooling
+        /// fused into `evaluate`). `RELU` applies ReLU in registers.
         #[inline(always)]
         fn __conv<const __B: usize, const __RELU: bool>(
             cpu: &mut #rt::Cpu,
