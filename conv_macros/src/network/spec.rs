@@ -95,36 +95,33 @@ impl Network {
 
     /// Every entry, those inside residual blocks included, depth first.
     pub fn all_entries(&self) -> Vec<&Entry> {
-        fn walk<'a>(entries: &'a [Entry], out: &mut Vec<&'a Entry>) {
-            for e in entries {
-                out.push(e);
-                if let Kind::Residual(inner) = &e.kind {
-                    walk(inner, out);
-                }
-            }
-        }
-        let mut out = Vec::new();
-        walk(&self.entries, &mut out);
-        out
+        self.entries_where(|_, _| true)
     }
-}
 
-impl Network {
     /// Max-pooling entries right after a `Conv2d` in the same list: `evaluate` runs them in the
     /// convolution's epilogue where the device can.
     pub fn fused_pools(&self) -> Vec<&Entry> {
-        fn walk<'a>(entries: &'a [Entry], out: &mut Vec<&'a Entry>) {
+        self.entries_where(is_fused_pool)
+    }
+
+    /// The entries, depth first, for which `keep(list, index)` holds in the list holding them.
+    fn entries_where(&self, keep: impl Fn(&[Entry], usize) -> bool) -> Vec<&Entry> {
+        fn walk<'a>(
+            entries: &'a [Entry],
+            keep: &dyn Fn(&[Entry], usize) -> bool,
+            out: &mut Vec<&'a Entry>,
+        ) {
             for (i, e) in entries.iter().enumerate() {
-                if is_fused_pool(entries, i) {
+                if keep(entries, i) {
                     out.push(e);
                 }
                 if let Kind::Residual(inner) = &e.kind {
-                    walk(inner, out);
+                    walk(inner, keep, out);
                 }
             }
         }
         let mut out = Vec::new();
-        walk(&self.entries, &mut out);
+        walk(&self.entries, &keep, &mut out);
         out
     }
 }
