@@ -1,12 +1,12 @@
-//! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action
-//! (`evaluate` at batch 1), `evaluate` at batch 32 (a target network's pass) and the training
-//! step at batch 32 (`forward` + `backward` + one Adam step over the whole network), at each
-//! thread count, and the step's three parts (`step_forward`, `step_backward`, `step_adam`) timed
-//! inside consecutive steps. Also MinAtar's dense layer alone at
-//! densities of nonzero output gradients from 100% to 10% (`fc1024`): what its gradients save
-//! by skipping zero terms. IMPALA's second max-pooling alone (`maxpool32`): evaluate, forward
-//! with the winners kept, backward. And the device's thread team alone (`pool`, batch column 0):
-//! one call of a 20-us part per thread, back to back and after the workers have gone to sleep.
+//! Whole networks from `network!`, the torsos pixel RL runs: the latency of one action (`evaluate`
+//! at batch 1), `evaluate` at batch 32 (a target network's pass) and the training step at batch 32
+//! (`forward` + `backward` + one Adam step over the whole network), at each thread count, and the
+//! step's three parts (`step_forward`, `step_backward`, `step_adam`) timed inside consecutive
+//! steps. Also MinAtar's dense layer alone at densities of nonzero output gradients from 100% to
+//! 10% (`fc1024`): what its gradients save by skipping zero terms. IMPALA's second max-pooling
+//! alone (`maxpool32`): evaluate, forward with the winners kept, backward. And the device's thread
+//! team alone (`pool`, batch column 0): one call of a 20-us part per thread, back to back and after
+//! the workers have gone to sleep.
 //!
 //! ```sh
 //! cargo run --release --example bench_networks -- --threads 1,2
