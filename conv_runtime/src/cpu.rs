@@ -310,14 +310,17 @@ pub struct Workspace<'a, A> {
 
 impl Cpu {
     /// A one-thread device (the caller's) with empty caches: what RL set-ups with one device
-    /// per actor thread want.
+    /// per actor thread want. It cannot refuse a CPU this build has no kernels for (see
+    /// [`Cpu::with_threads`], which does): there the first kernel stops the program.
     pub fn new() -> Self {
         Self::default()
     }
 
     /// A device computing on `threads` threads: the caller's and `threads - 1` of its own.
-    /// Zero threads, or threads the system cannot start, are an error.
+    /// Zero threads, threads the system cannot start, or a CPU this build has no kernels for
+    /// ([`crate::simd::kernels_for_this_cpu`]) are an error.
     pub fn with_threads(threads: usize) -> Result<Self> {
+        crate::simd::kernels_for_this_cpu()?;
         Ok(Self {
             pool: Pool::new(threads)?,
             ..Self::default()

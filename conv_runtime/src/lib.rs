@@ -96,6 +96,22 @@ macro_rules! __if_cuda {
 #[cfg(feature = "cuda")]
 pub use cuda::Cuda;
 
+/// `{ A } else { B }`: `A` where generated kernels get a portable copy (the `portable` feature,
+/// or any target but x86-64), else `B`. As `__if_onednn`, decided by this crate's features.
+#[cfg(any(feature = "portable", not(target_arch = "x86_64")))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_portable {
+    ({ $($yes:tt)* } else { $($no:tt)* }) => { $($yes)* };
+}
+
+#[cfg(not(any(feature = "portable", not(target_arch = "x86_64"))))]
+#[doc(hidden)]
+#[macro_export]
+macro_rules! __if_portable {
+    ({ $($yes:tt)* } else { $($no:tt)* }) => { $($no)* };
+}
+
 /// Everything a user of generated layers needs in scope.
 pub mod prelude {
     #[cfg(feature = "cuda")]
@@ -115,6 +131,7 @@ pub mod prelude {
 pub mod __private {
     pub use crate::__if_cuda as if_cuda;
     pub use crate::__if_onednn as if_onednn;
+    pub use crate::__if_portable as if_portable;
     pub use crate::activation::{self, Activation};
     pub use crate::cpu::{CpuScalar, PackKey, Pool, Shared, Workspace, ELEMENT_WORK};
     #[cfg(feature = "cuda")]

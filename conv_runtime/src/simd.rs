@@ -126,6 +126,31 @@ pub fn avx2_fma() -> bool {
     })
 }
 
+/// Whether generated kernels can run on this CPU: `Ok` where they have a portable copy (the
+/// `portable` feature, default; any target but x86-64) or the CPU takes their AVX2 copy. A
+/// build without `portable` on an x86-64 CPU without AVX2 and FMA (or asked for the portable
+/// kernels by `CONV2D_SIMD=portable`) has none to run: devices that can fail refuse it here
+/// ([`crate::Cpu::with_threads`]); others stop at the first kernel (see [`no_kernels`]).
+pub fn kernels_for_this_cpu() -> crate::Result<()> {
+    if cfg!(any(feature = "portable", not(target_arch = "x86_64"))) || avx2_fma() {
+        return Ok(());
+    }
+    Err(crate::Error::new("choosing the CPU kernels", NO_KERNELS))
+}
+
+const NO_KERNELS: &str = "this CPU has no AVX2 and FMA (or CONV2D_SIMD=portable asks for the \
+     portable kernels), and conv_runtime was built without its `portable` feature, which holds \
+     the kernels for such CPUs";
+
+/// Where generated code goes on a CPU it has no kernels for (see [`kernels_for_this_cpu`]).
+/// A device that could not refuse the CPU (`Cpu::new`, infallible) got here.
+#[doc(hidden)]
+#[cold]
+#[inline(never)]
+pub fn no_kernels() -> ! {
+    panic!("conv_runtime: {NO_KERNELS}")
+}
+
 fn detected() -> bool {
     #[cfg(target_arch = "x86_64")]
     {

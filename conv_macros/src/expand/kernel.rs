@@ -6,7 +6,9 @@
 //! dispatcher picks one per call from the CPU's features (cached by the standard library).
 //! Where the target itself has AVX2 and FMA (`-C target-cpu=native` on such a CPU) the portable
 //! copy is not emitted into the build at all (`#[cfg]` in the generated code, decided by the
-//! user's crate flags): it could never run, and it was 40% of the build time.
+//! user's crate flags): it could never run, and it was 40% of the build time. Nor is it on
+//! x86-64 where the runtime was built without its `portable` feature (`if_portable!`, decided
+//! by the runtime's features): there a CPU without AVX2 and FMA is refused.
 //!
 //! The register tile is the only loop the macro unrolls: `P x V` accumulators, with
 //! `P * V <= 12` so that they, `V` vector loads and a broadcast fit AVX2's 16 vector registers.
@@ -289,13 +291,18 @@ pub fn dispatched(
             #kernel::<#avx2, #generic_args>(#args)
         }
 
-        /// The kernel for CPUs without AVX2 and FMA, compiled once: not inlined into every
-        /// caller of the dispatcher. Not compiled at all where the target has AVX2 and FMA
-        /// (`-C target-cpu=native` on such a CPU): there it could never run.
-        #[cfg(not(#avx2_target))]
-        #[inline(never)]
-        unsafe fn #portable_fn<#generics>(#params) {
-            #kernel::<#portable, #generic_args>(#args)
+        #rt::if_portable! {
+            {
+                /// The kernel for CPUs without AVX2 and FMA, compiled once: not inlined into
+                /// every caller of the dispatcher. Not compiled at all where the target has
+                /// AVX2 and FMA (`-C target-cpu=native` on such a CPU): there it could never
+                /// run.
+                #[cfg(not(#avx2_target))]
+                #[inline(never)]
+                unsafe fn #portable_fn<#generics>(#params) {
+                    #kernel::<#portable, #generic_args>(#args)
+                }
+            } else {}
         }
 
         /// # Safety
@@ -314,7 +321,7 @@ pub fn dispatched(
                         return #avx2_fn::<#generic_args>(#args);
                     }
                 }
-                #portable_fn::<#generic_args>(#args)
+                #rt::if_portable!({ #portable_fn::<#generic_args>(#args) } else { #rt::simd::no_kernels() })
             }
         }
     }
