@@ -33,7 +33,7 @@ run() {
 run cargo test --workspace --release --features $features
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
 CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward --test network
-# A build without the portable kernels (`--no-default-features`, half the build time): a CPU
+# A build without the portable kernels (`--no-default-features`, about 0.6 of the build time): a CPU
 # without AVX2+FMA (stood in for by CONV2D_SIMD=portable) is refused with a clear error.
 run cargo test --release --no-default-features --features $features --test portable_feature
 # The numeric suites built for this machine's CPU: where it has AVX2+FMA, the generated code
