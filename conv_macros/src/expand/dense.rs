@@ -302,12 +302,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
         "dense_data",
         TokenStream::new(),
         TokenStream::new(),
-        quote!(dz: &[__A], w: &[__A], dx: #rt::Shared<'_, __A>, batch: ::core::ops::Range<usize>),
-        quote!(dz, w, dx, batch),
         quote! {
-            // `dx[b] = sum_o dz[b][o] w[o]`, the channels in order, `CHUNK` at a time. Input
-            // stripes outside, rows inside: a stripe of `w` (copied, see `__dense_stripe`)
-            // stays in L1 for every row.
+            dz: &[__A], w: &[__A], dx: #rt::Shared<'_, __A>, batch: ::core::ops::Range<usize>,
+            chunks: ::core::ops::Range<usize>,
+        },
+        quote!(dz, w, dx, batch, chunks),
+        quote! {
+            // `dx[b] = sum_o dz[b][o] w[o]` over the channels of `chunks`, in order, `CHUNK`
+            // at a time (the first written, the others added). Input stripes outside, rows
+            // inside: a stripe of `w` (copied, see `__dense_stripe`) stays in L1 for every row.
             let out = dx.part(batch.start * __IC, batch.len() * __IC);
             let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
             // The nonzero terms of each row's chunks of channels.
@@ -319,10 +322,11 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     }
                 }
             }
+            let (first, end) = (chunks.start * __CHUNK, if chunks.end * __CHUNK < __OC { chunks.end * __CHUNK } else { __OC });
             let mut k0 = 0;
             while k0 < __IC {
-                let mut o0 = 0;
-                while o0 < __OC {
+                let mut o0 = first;
+                while o0 < end {
                     let terms = if __OC - o0 < __CHUNK { __OC - o0 } else { __CHUNK };
                     __dense_stripe::<#vecs>(w.as_ptr().add(o0 * __IC), terms, k0, &mut stripe);
                     let mut r0 = batch.start;
@@ -330,7 +334,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         let rs = if batch.end - r0 < #tile_rows { batch.end - r0 } else { #tile_rows };
                         let (g, gs, gj, v) = (dz.as_ptr().add(r0 * __OC + o0), __OC, 1, stripe.as_ptr());
                         let dst = out.as_mut_ptr().add((r0 - batch.start) * __IC);
-                        let add = o0 > 0;
+                        let add = o0 > first;
                         let row = (r0 - batch.start) * __OCHUNKS + o0 / __CHUNK;
                         if __DATA_MASKS > 0 && __dense_sparse(&masks[row..], __OCHUNKS, rs, terms) {
                             #data_listed
@@ -399,13 +403,19 @@ pub fn expand(spec: &Spec) -> TokenStream {
         spec,
         quote! {
             let work = __BATCH * __IC * __OC;
+            // Where the weights are owned (see `__OWNED`), the input gradient's workers take
+            // chunks of output channels; the first worker's chunks go straight into `dx`, each
+            // other chunk's sum into a slot of scratch, added in chunk order afterwards.
+            let owners = cpu.__pool().workers(__OCHUNKS, work);
+            let owned = __OWNED && d_input.is_some() && owners > 1 && owners >= cpu.__pool().workers(usize::MAX, work);
+            let slotted = if owned { __OCHUNKS - __OCHUNKS / owners } else { 0 };
             let #rt::Workspace { scratch, pool, .. } = cpu.__workspace::<__A>(
                 #rt::PackKey { stamps: [0, 0], layout: 0 },
                 0,
                 |_, _| {},
-                __BATCH * __OC,
+                __BATCH * __OC + slotted * __BATCH * __IC,
             );
-            let dz = &mut scratch[..__BATCH * __OC];
+            let (dz, slots) = scratch[..__BATCH * __OC + slotted * __BATCH * __IC].split_at_mut(__BATCH * __OC);
             __d_conv(pool, layer, state, d_output, mode, grads.as_deref_mut(), dz);
             let dz: &[__A] = dz;
             if let ::core::option::Option::Some(g) = grads {
@@ -421,11 +431,44 @@ pub fn expand(spec: &Spec) -> TokenStream {
             if let ::core::option::Option::Some(d_input) = d_input {
                 let dx = #rt::Shared::new(d_input);
                 let w = layer.weights.as_slice();
-                pool.run(__BATCH.div_ceil(#tile_rows), work, &|_, tiles| {
-                    let batch = tiles.start * #tile_rows..if tiles.end * #tile_rows < __BATCH { tiles.end * #tile_rows } else { __BATCH };
-                    // SAFETY: the worker's own rows; the slices have the lengths the kernel reads.
-                    unsafe { __dense_data(dz, w, dx, batch) };
-                });
+                let rows = |tiles: ::core::ops::Range<usize>| {
+                    tiles.start * #tile_rows..if tiles.end * #tile_rows < __BATCH { tiles.end * #tile_rows } else { __BATCH }
+                };
+                if slotted == 0 {
+                    pool.run(__BATCH.div_ceil(#tile_rows), work, &|_, tiles| {
+                        // SAFETY: the worker's own rows; the slices have the lengths the kernel
+                        // reads.
+                        unsafe { __dense_data(dz, w, dx, rows(tiles), 0..__OCHUNKS) };
+                    });
+                } else {
+                    let head = __OCHUNKS - slotted;
+                    let slots = #rt::Shared::new(slots);
+                    pool.run(__OCHUNKS, work, &|_, chunks| {
+                        if chunks.start == 0 {
+                            // SAFETY: `dx` is this worker's alone in this pass.
+                            unsafe { __dense_data(dz, w, dx, 0..__BATCH, chunks) };
+                            return;
+                        }
+                        for c in chunks {
+                            // SAFETY: chunk `c`'s own slot, `BATCH` rows long.
+                            let slot = unsafe { slots.part((c - head) * __BATCH * __IC, __BATCH * __IC) };
+                            unsafe { __dense_data(dz, w, #rt::Shared::new(slot), 0..__BATCH, c..c + 1) };
+                        }
+                    });
+                    // The same sums in the same order as one worker's: chunk by chunk.
+                    pool.run(__BATCH.div_ceil(#tile_rows), __BATCH * __IC * slotted, &|_, tiles| {
+                        let rows = rows(tiles);
+                        let span = rows.start * __IC..rows.end * __IC;
+                        // SAFETY: the worker's own rows of `dx`; the slots are read only.
+                        let out = unsafe { dx.part(span.start, span.len()) };
+                        for c in 0..slotted {
+                            let slot = unsafe { slots.part(c * __BATCH * __IC + span.start, span.len()) };
+                            for (o, s) in out.iter_mut().zip(slot.iter()) {
+                                *o += *s;
+                            }
+                        }
+                    });
+                }
             }
         },
     );
@@ -471,7 +514,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 }
                 epilogue(out, q0, n);
             };
-            if parts >= pool.workers(usize::MAX, work) {
+            let owned = __OWNED && pool.workers(__OCHUNKS, work) >= pool.workers(usize::MAX, work);
+            if !owned && parts >= pool.workers(usize::MAX, work) {
                 pool.run(parts, work, &|_, range| {
                     let batch = range.start * __B / parts..range.end * __B / parts;
                     if batch.is_empty() {
@@ -486,14 +530,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     }
                 });
             } else {
-                // Too few rows for the threads (one action: batch 1): blocks of output
-                // channels instead, each worker streaming its own rows of the weights (the same
-                // dot products, so the same bits), then the epilogue on every row.
+                // Owned weights, or too few rows for the threads (one action: batch 1): blocks
+                // of output channels instead, each worker streaming its own rows of the weights
+                // (the same dot products, so the same bits), then the epilogue on every row.
                 const __CBLOCK: usize = #cblock;
-                let blocks = __OC.div_ceil(__CBLOCK);
+                let block = if owned { __CHUNK } else { __CBLOCK };
+                let blocks = __OC.div_ceil(block);
                 pool.run(blocks, work, &|_, range| {
-                    let end = range.end * __CBLOCK;
-                    let channels = range.start * __CBLOCK..if end < __OC { end } else { __OC };
+                    let end = range.end * block;
+                    let channels = range.start * block..if end < __OC { end } else { __OC };
                     // SAFETY: the worker's own channels of every row (elements written one by
                     // one); the slices have the lengths the kernel reads.
                     unsafe { __dense_forward(x, w, b, &y, 0..__B, channels) };
@@ -506,6 +551,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
         /// Terms (channels, or batch rows) of a gradient's stripe: the bits of a mask.
         const __CHUNK: usize = #chunk;
+        /// Whether the weights are *owned*: on more than one thread, each worker takes whole
+        /// chunks of output channels (rows of the weights) in the forward pass and the input
+        /// gradient, as the weight gradient and the optimizer's step cut them, so that the rows
+        /// an optimizer step writes on one core are not read on another in the next step: they
+        /// would move between the cores' caches twice a step (MinAtar's 512 KB, held in L2:
+        /// two thirds of the Adam step on two threads). Where the input gradient's slots of
+        /// scratch (at most all chunks but one, a batch of inputs each) stay within twice the
+        /// weights' size.
+        const __OWNED: bool = __OCHUNKS > 1 && (__OCHUNKS - 1) * __BATCH <= 2 * __OC;
         /// Chunks of output channels, and of batch rows.
         const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
         const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
