@@ -445,23 +445,28 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     let slots = #rt::Shared::new(slots);
                     pool.run(__OCHUNKS, work, &|_, chunks| {
                         if chunks.start == 0 {
-                            // SAFETY: `dx` is this worker's alone in this pass.
+                            // SAFETY: `dx` is the first worker's alone in this pass; the
+                            // slices have the lengths the kernel reads.
                             unsafe { __dense_data(dz, w, dx, 0..__BATCH, chunks) };
                             return;
                         }
                         for c in chunks {
-                            // SAFETY: chunk `c`'s own slot, `BATCH` rows long.
-                            let slot = unsafe { slots.part((c - head) * __BATCH * __IC, __BATCH * __IC) };
-                            unsafe { __dense_data(dz, w, #rt::Shared::new(slot), 0..__BATCH, c..c + 1) };
+                            // SAFETY: chunk `c`'s own slot (chunks `head..` are the other
+                            // workers', each once), `BATCH` rows long, as the kernel writes.
+                            unsafe {
+                                let slot = slots.part((c - head) * __BATCH * __IC, __BATCH * __IC);
+                                __dense_data(dz, w, #rt::Shared::new(slot), 0..__BATCH, c..c + 1);
+                            }
                         }
                     });
                     // The same sums in the same order as one worker's: chunk by chunk.
                     pool.run(__BATCH.div_ceil(#tile_rows), __BATCH * __IC * slotted, &|_, tiles| {
                         let rows = rows(tiles);
                         let span = rows.start * __IC..rows.end * __IC;
-                        // SAFETY: the worker's own rows of `dx`; the slots are read only.
+                        // SAFETY: the worker's own rows of `dx`, and of each slot (read only).
                         let out = unsafe { dx.part(span.start, span.len()) };
                         for c in 0..slotted {
+                            // SAFETY: as `out`.
                             let slot = unsafe { slots.part(c * __BATCH * __IC + span.start, span.len()) };
                             for (o, s) in out.iter_mut().zip(slot.iter()) {
                                 *o += *s;
