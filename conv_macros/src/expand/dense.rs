@@ -14,7 +14,9 @@
 //! No repack per parameter change and no transposed copy of the weight gradient: a dense
 //! layer's weights are most of a small network's, and each step changes them. Every sum runs
 //! in a fixed order (inputs, output channels or batch rows ascending), whatever the partition:
-//! forward and input gradient by batch rows, weight gradient by output channels.
+//! forward and input gradient by batch rows, weight gradient by output channels; or, where the
+//! weights are owned (`__OWNED`), every pass by whole chunks of output channels, the input
+//! gradient's chunks added in chunk order.
 //!
 //! Used for f32 and f64 layers (half-precision layers keep the direct kernels, which stage
 //! their input in f32).
