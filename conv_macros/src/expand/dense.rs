@@ -408,9 +408,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // Where the weights are owned (see `__OWNED`), the input gradient's workers take
             // chunks of output channels; the first worker's chunks go straight into `dx`, each
             // other chunk's sum into a slot of scratch, added in chunk order afterwards.
-            let owners = cpu.__pool().workers(__OCHUNKS, work);
-            let owned = __OWNED && d_input.is_some() && owners > 1 && owners >= cpu.__pool().workers(usize::MAX, work);
-            let slotted = if owned { __OCHUNKS - __OCHUNKS / owners } else { 0 };
+            let slotted = match __owners(cpu.__pool(), work) {
+                ::core::option::Option::Some(owners) if owners > 1 && d_input.is_some() => __OCHUNKS - __OCHUNKS / owners,
+                _ => 0,
+            };
             let #rt::Workspace { scratch, pool, .. } = cpu.__workspace::<__A>(
                 #rt::PackKey { stamps: [0, 0], layout: 0 },
                 0,
@@ -521,7 +522,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 }
                 epilogue(out, q0, n);
             };
-            let owned = __OWNED && pool.workers(__OCHUNKS, work) >= pool.workers(usize::MAX, work);
+            let owned = __owners(pool, work).is_some();
             if !owned && parts >= pool.workers(usize::MAX, work) {
                 pool.run(parts, work, &|_, range| {
                     let batch = range.start * __B / parts..range.end * __B / parts;
@@ -567,6 +568,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
         /// scratch (at most all chunks but one, a batch of inputs each) stay within twice the
         /// weights' size.
         const __OWNED: bool = __OCHUNKS > 1 && (__OCHUNKS - 1) * __BATCH <= 2 * __OC;
+
+        /// The workers of a pass of `work` over whole chunks where the weights are owned and
+        /// the chunks leave no thread idle (no more threads than chunks); `None` where the
+        /// passes split their rows instead.
+        #[inline(always)]
+        fn __owners(pool: &#rt::Pool, work: usize) -> ::core::option::Option<usize> {
+            let owners = pool.workers(__OCHUNKS, work);
+            (__OWNED && owners >= pool.workers(usize::MAX, work)).then_some(owners)
+        }
         /// Chunks of output channels, and of batch rows.
         const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
         const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
