@@ -103,6 +103,19 @@ pub trait Simd: Copy {
         self.store(tmp.as_mut_ptr());
         std::ptr::copy_nonoverlapping(tmp.as_ptr(), p, n);
     }
+
+    /// Asks for the cache line holding `p` ahead of its use (`prefetcht0` on x86_64, nothing
+    /// elsewhere): for kernels whose next lines are a page or more apart, which the hardware's
+    /// stream prefetchers do not follow.
+    /// # Safety
+    /// As [`Simd::zero`]; `p` is inside an allocation (a prefetch never faults).
+    #[inline(always)]
+    unsafe fn prefetch(p: *const Self::Elem) {
+        #[cfg(target_arch = "x86_64")]
+        std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(p.cast::<i8>());
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = p;
+    }
 }
 
 /// Whether the AVX2+FMA kernels run: where the CPU has them, unless the environment variable

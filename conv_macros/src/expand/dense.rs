@@ -199,6 +199,18 @@ pub fn expand(spec: &Spec) -> TokenStream {
             __dense_put::<__S, { __V }, { __FULL }, { __ADD }>(&acc, k0, out);
         }
 
+        /// Prefetches the lines of `n` values from `p` (at most a stripe, `V * L`).
+        #[inline(always)]
+        unsafe fn __dense_prefetch<__S: #rt::Simd<Elem = __A>>(p: *const __A, n: usize) {
+            let per_line = 64 / ::core::mem::size_of::<__A>();
+            let mut i = 0;
+            while i < n {
+                __S::prefetch(p.add(i));
+                i += per_line;
+            }
+            __S::prefetch(p.add(n - 1));
+        }
+
         /// Whether a tile of `rows` rows (masks `stride` apart) over `terms` terms has few
         /// enough nonzero terms that skipping the rest one row at a time pays: a listed term
         /// costs about 1.6 of a tile's (it shares no loads across rows).
@@ -331,12 +343,28 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 while o0 < end {
                     let terms = if __OC - o0 < __CHUNK { __OC - o0 } else { __CHUNK };
                     __dense_stripe::<#vecs>(w.as_ptr().add(o0 * __IC), terms, k0, &mut stripe);
+                    // The next stripe's rows of `w` (`IC` apart: pages apart where the layer is
+                    // wide, and no stream prefetcher follows them), a share per row tile.
+                    let (next, next_terms, kn) = if o0 + __CHUNK < end {
+                        (o0 + __CHUNK, if __OC - o0 - __CHUNK < __CHUNK { __OC - o0 - __CHUNK } else { __CHUNK }, k0)
+                    } else {
+                        (first, if __OC - first < __CHUNK { __OC - first } else { __CHUNK }, k0 + #vecs * __L)
+                    };
+                    let tiles = batch.len().div_ceil(#tile_rows);
+                    let share = if tiles > 0 { next_terms.div_ceil(tiles) } else { 0 };
+                    let n = if kn < __IC { if __IC - kn < #vecs * __L { __IC - kn } else { #vecs * __L } } else { 0 };
                     let mut r0 = batch.start;
                     while r0 < batch.end {
                         let rs = if batch.end - r0 < #tile_rows { batch.end - r0 } else { #tile_rows };
                         let (g, gs, gj, v) = (dz.as_ptr().add(r0 * __OC + o0), __OC, 1, stripe.as_ptr());
                         let dst = out.as_mut_ptr().add((r0 - batch.start) * __IC);
                         let add = o0 > first;
+                        if n > 0 {
+                            let j0 = (r0 - batch.start) / #tile_rows * share;
+                            for j in j0..if j0 + share < next_terms { j0 + share } else { next_terms } {
+                                __dense_prefetch::<__S>(w.as_ptr().add((next + j) * __IC + kn), n);
+                            }
+                        }
                         let row = (r0 - batch.start) * __OCHUNKS + o0 / __CHUNK;
                         if __DATA_MASKS > 0 && __dense_sparse(&masks[row..], __OCHUNKS, rs, terms) {
                             #data_listed
@@ -386,6 +414,17 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         let os = if channels.end - o0 < #tile_rows { channels.end - o0 } else { #tile_rows };
                         let (g, gs, gj, v) = (dz.as_ptr().add(b0 * __OC + o0), 1, __OC, stripe.as_ptr());
                         let dst = rows.as_mut_ptr().add((o0 - channels.start) * __IC);
+                        // The lines of `dw` the tile `AHEAD` channels on adds to (the next
+                        // stripe's near the end): its rows are `IC` apart, pages apart where
+                        // the layer is wide, and no stream prefetcher follows them.
+                        let ahead = o0 - channels.start + __AHEAD;
+                        let (ks, oa) = (k0 + ahead / channels.len() * #vecs * __L, channels.start + ahead % channels.len());
+                        if ks < __IC {
+                            let n = if __IC - ks < #vecs * __L { __IC - ks } else { #vecs * __L };
+                            for r in oa..if oa + #tile_rows < channels.end { oa + #tile_rows } else { channels.end } {
+                                __dense_prefetch::<__S>(rows.as_ptr().add((r - channels.start) * __IC + ks), n);
+                            }
+                        }
                         let row = (o0 - channels.start) * __BCHUNKS + b0 / __CHUNK;
                         if __WEIGHT_MASKS > 0 && __dense_sparse(&masks[row..], __BCHUNKS, os, terms) {
                             #weights_listed
@@ -577,6 +616,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             let owners = pool.workers(__OCHUNKS, work);
             (__OWNED && owners >= pool.workers(usize::MAX, work)).then_some(owners)
         }
+        /// How far ahead of its tile the weight gradient prefetches `dw`, in output channels:
+        /// four tiles, about a memory latency of FMAs.
+        const __AHEAD: usize = 4 * #tile_rows;
         /// Chunks of output channels, and of batch rows.
         const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
         const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
