@@ -41,8 +41,11 @@ pub fn applies(spec: &Spec) -> bool {
 /// rows' input vectors and one weight vector, 16 registers).
 const ROWS: usize = 3;
 const COLS: usize = 4;
+/// Output channels of a forward tile over one row (one action): each is a stream of weights
+/// from memory, and eight in flight read them about a tenth faster than four.
+const WIDE: usize = 8;
 /// Output channels per part where a forward pass has too few rows for the threads: a multiple
-/// of `COLS`, so that every part but the last takes whole tiles.
+/// of `COLS` and `WIDE`, so that every part but the last takes whole tiles.
 const CBLOCK: usize = 8 * COLS;
 /// Rows (or output channels) and input vectors of a gradient register tile: 12 accumulators,
 /// the rows' broadcasts and one vector of the other operand, 16 registers.
@@ -224,6 +227,19 @@ pub fn expand(spec: &Spec) -> TokenStream {
         }
     };
     let forward_tiles = forward_tiles(spec);
+    let wide = lit(WIDE);
+    let wide_tiles = {
+        let cols = reachable(spec.out_channels, WIDE);
+        let arms = (0..cols.len()).map(|j| {
+            let (c_pat, c) = (pattern(&cols, j), lit(cols[j]));
+            quote!(#c_pat => __dense_tile::<__S, 1, #c>(xr, wc, &mut put),)
+        });
+        quote! {
+            match cs {
+                #(#arms)*
+            }
+        }
+    };
     let forward = dispatched(
         spec.dtype,
         "dense_forward",
@@ -235,9 +251,24 @@ pub fn expand(spec: &Spec) -> TokenStream {
         },
         quote!(x, w, b, y, batch, channels),
         quote! {
+            let (xp, wp) = (x.as_ptr(), w.as_ptr());
+            if batch.len() == 1 {
+                // One row: `WIDE` rows of the weights at a time, each read once.
+                let r0 = batch.start;
+                let mut c0 = channels.start;
+                while c0 < channels.end {
+                    let cs = if channels.end - c0 < #wide { channels.end - c0 } else { #wide };
+                    let (xr, wc) = (xp.add(r0 * __IC), wp.add(c0 * __IC));
+                    let mut put = |_: usize, c: usize, v: __A| {
+                        *y.at(r0 * __OC + c0 + c) = b[c0 + c] + v;
+                    };
+                    #wide_tiles
+                    c0 += #wide;
+                }
+                return;
+            }
             // Channels outside, rows inside: a block of `COLS` weight rows stays in L1 for
             // every row (the whole of `w` does not stay in L2 beside the gradients).
-            let (xp, wp) = (x.as_ptr(), w.as_ptr());
             let mut c0 = channels.start;
             while c0 < channels.end {
                 let cs = if channels.end - c0 < #cols { channels.end - c0 } else { #cols };
