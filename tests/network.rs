@@ -1024,3 +1024,89 @@ fn max_pooling_in_the_convolution_epilogue_keeps_the_bits() {
         false
     );
 }
+
+conv_runtime::network! {
+    /// Residual blocks whose inner lists begin with an activation (IMPALA's `relu, conv, relu,
+    /// conv`), one of them the activation alone: their backward pass and the block's sum run
+    /// as one.
+    pub struct PreActivated {
+        input: [5, 5, 3],
+        batch: 2,
+        dtype: f64,
+        layers: [
+            c0: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+            r1: Residual { layers: [
+                a: Activation(Gelu),
+                c1: Conv2d { out_channels: 4, kernel: 3, padding: 1, activation: Tanh },
+                c2: Conv2d { out_channels: 4, kernel: 3, padding: 1 },
+            ] },
+            r2: Residual { layers: [a: Activation(Tanh)] },
+            flat: Flatten,
+            q: Dense { out_features: 3 },
+        ],
+    }
+}
+
+#[test]
+fn pre_activated_residual_blocks_match_finite_differences() {
+    let mut rng = SplitMix64::new(7);
+    let mut net = PreActivated::new(&mut Rng::seed_from_u64(3));
+    let x = PreActivatedInput::<2>::from_fn(|_| rng.next_f64());
+    let dy = PreActivatedOutput::<2>::from_fn(|_| rng.next_f64() * 0.5);
+    let mut cpu = common::cpu();
+    let mut state = PreActivatedState::new();
+    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+    let (mut grads, mut d_input) = (PreActivatedGrads::zeros(), PreActivatedInput::<2>::zeros());
+    net.backward_full(
+        &mut cpu,
+        &state,
+        &x,
+        &dy,
+        &mut d_input,
+        &mut grads,
+        Mode::Train,
+    )
+    .unwrap();
+    // The loss `sum(dy * y)`, numerically.
+    let loss = |cpu: &mut Cpu, x: &PreActivatedInput<2>| {
+        let mut y = PreActivatedOutput::<2>::zeros();
+        net.evaluate(cpu, x, &mut y).unwrap();
+        y.as_slice()
+            .iter()
+            .zip(dy.as_slice())
+            .map(|(y, d)| y * d)
+            .sum::<f64>()
+    };
+    let eps = 1e-6;
+    let numeric: Vec<f64> = (0..x.as_slice().len())
+        .map(|i| {
+            let (mut plus, mut minus) = (x.clone(), x.clone());
+            plus.as_mut_slice()[i] += eps;
+            minus.as_mut_slice()[i] -= eps;
+            (loss(&mut cpu, &plus) - loss(&mut cpu, &minus)) / (2.0 * eps)
+        })
+        .collect();
+    assert!(
+        numeric.iter().any(|g| g.abs() > 1e-3),
+        "a gradient that can fail"
+    );
+    assert_close("d_input", d_input.as_slice(), &numeric, 1e-7);
+    // The same bits on two threads, whose workers split the fused pass.
+    let mut two = Cpu::with_threads(2).unwrap().__split_everything();
+    let mut state2 = PreActivatedState::new();
+    net.clone()
+        .forward(&mut two, &x, &mut state2, Mode::Train)
+        .unwrap();
+    let (mut grads2, mut d_input2) = (PreActivatedGrads::zeros(), PreActivatedInput::<2>::zeros());
+    net.backward_full(
+        &mut two,
+        &state2,
+        &x,
+        &dy,
+        &mut d_input2,
+        &mut grads2,
+        Mode::Train,
+    )
+    .unwrap();
+    assert_eq!(d_input.as_slice(), d_input2.as_slice());
+}

@@ -191,6 +191,55 @@ pub fn entry_backward_on<A: Activation, T: Element>(
     });
 }
 
+/// [`entry_backward_on`] and the residual sum after it in one pass: `dx = skip + dy * f'(x)`
+/// (given `y = f(x)`), for a residual block whose inner list begins with the activation. The
+/// same bits as the two passes: the product is rounded to the element type before the sum.
+pub fn entry_backward_sum_on<A: Activation, T: Element>(
+    pool: &crate::cpu::Pool,
+    skip: &[T],
+    dy: &[T],
+    x: &[T],
+    y: &[T],
+    dx: &mut [T],
+) {
+    #[inline(always)]
+    fn run<A: Activation, T: Element>(skip: &[T], dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
+        let n = dx
+            .len()
+            .min(skip.len())
+            .min(dy.len())
+            .min(x.len())
+            .min(y.len());
+        for i in 0..n {
+            let t = T::from_acc(dy[i].to_acc() * A::df_given_output(x[i].to_acc(), y[i].to_acc()));
+            dx[i] = T::from_acc(skip[i].to_acc() + t.to_acc());
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn run_avx2<A: Activation, T: Element>(
+        skip: &[T],
+        dy: &[T],
+        x: &[T],
+        y: &[T],
+        dx: &mut [T],
+    ) {
+        run::<A, T>(skip, dy, x, y, dx)
+    }
+    let dxs = crate::cpu::Shared::new(dx);
+    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let dx = unsafe { dxs.part(r.start, r.len()) };
+        let (skip, dy, x, y) = (&skip[r.clone()], &dy[r.clone()], &x[r.clone()], &y[r]);
+        #[cfg(target_arch = "x86_64")]
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2::<A, T>(skip, dy, x, y, dx) };
+        }
+        run::<A, T>(skip, dy, x, y, dx)
+    });
+}
+
 /// A residual block's sum `y = a + b` (and, backward, its input gradient), in the element
 /// type through the accumulator, on the pool's threads.
 pub fn sum_on<T: Element>(pool: &crate::cpu::Pool, a: &[T], b: &[T], y: &mut [T]) {

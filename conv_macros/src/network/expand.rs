@@ -643,6 +643,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
     let c_value = e.input.dims()[2];
     let forward = format_ident!("__forward_{}", e.path);
     let backward = format_ident!("__backward_{}", e.path);
+    let backward_sum = format_ident!("__backward_sum_{}", e.path);
     match &e.kind {
         Kind::Pool(
             kind,
@@ -995,6 +996,11 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                 /// `dx = dy * f'(x)` (with `y = f(x)`), element-wise.
                 pub fn #backward(pool: &#rt::Pool, dy: &[#t], x: &[#t], y: &[#t], dx: &mut [#t]) {
                     #rt::activation::entry_backward_on::<#act, #t>(pool, dy, x, y, dx)
+                }
+
+                /// `dx = skip + dy * f'(x)`: the backward pass and a residual sum after it.
+                pub fn #backward_sum(pool: &#rt::Pool, skip: &[#t], dy: &[#t], x: &[#t], y: &[#t], dx: &mut [#t]) {
+                    #rt::activation::entry_backward_sum_on::<#act, #t>(pool, skip, dy, x, y, dx)
                 }
             }
         }
@@ -1418,6 +1424,45 @@ fn emit_backward(
                 continue;
             }
             Kind::Residual(inner) => {
+                let flatten_next = matches!(inner.get(1).map(|e| &e.kind), Some(Kind::Flatten));
+                if let (
+                    Some(dst),
+                    Some(
+                        act @ Entry {
+                            kind: Kind::Activation(_),
+                            ..
+                        },
+                    ),
+                    false,
+                ) = (&dst, inner.first(), flatten_next)
+                {
+                    // An inner list that begins with an activation (IMPALA's): its backward
+                    // pass and the sum in one, `dx = dy + f'(x) * (the gradient at its output)`.
+                    let act_out = state_output_of(flow, act, x);
+                    let inner_grad = if inner.len() > 1 {
+                        let buf = format_ident!("{}", inner[1].path);
+                        emit_backward(
+                            flow,
+                            &inner[1..],
+                            act_out.clone(),
+                            grad.clone(),
+                            Some(quote!(&mut g.#buf)),
+                            body,
+                            grads_root,
+                        );
+                        quote!(g.#buf.as_slice())
+                    } else {
+                        quote!(#grad.as_slice())
+                    };
+                    let f = format_ident!("__backward_sum_{}", act.path);
+                    body.extend(quote! {
+                        #module::#f(device.__pool(), #grad.as_slice(), #inner_grad, #x.as_slice(), #act_out.as_slice(), (#dst).as_mut_slice());
+                    });
+                    if i > 0 {
+                        grad = quote!(&g.#field);
+                    }
+                    continue;
+                }
                 // dx = dy + (the inner list's input gradient), through a buffer of its own.
                 let inner_into = dst.as_ref().map(|_| {
                     let buf = format_ident!("__inner_{}", e.path);
