@@ -1050,23 +1050,29 @@ conv_runtime::network! {
 #[test]
 fn pre_activated_residual_blocks_match_finite_differences() {
     let mut rng = SplitMix64::new(7);
-    let mut net = PreActivated::new(&mut Rng::seed_from_u64(3));
+    let net = PreActivated::new(&mut Rng::seed_from_u64(3));
     let x = PreActivatedInput::<2>::from_fn(|_| rng.next_f64());
     let dy = PreActivatedOutput::<2>::from_fn(|_| rng.next_f64() * 0.5);
+    // `backward_full`'s input gradient on a device.
+    let d_input_on = |device: &mut Cpu| {
+        let (mut net, mut state) = (net.clone(), PreActivatedState::new());
+        net.forward(device, &x, &mut state, Mode::Train).unwrap();
+        let (mut grads, mut d_input) =
+            (PreActivatedGrads::zeros(), PreActivatedInput::<2>::zeros());
+        net.backward_full(
+            device,
+            &state,
+            &x,
+            &dy,
+            &mut d_input,
+            &mut grads,
+            Mode::Train,
+        )
+        .unwrap();
+        d_input
+    };
     let mut cpu = common::cpu();
-    let mut state = PreActivatedState::new();
-    net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
-    let (mut grads, mut d_input) = (PreActivatedGrads::zeros(), PreActivatedInput::<2>::zeros());
-    net.backward_full(
-        &mut cpu,
-        &state,
-        &x,
-        &dy,
-        &mut d_input,
-        &mut grads,
-        Mode::Train,
-    )
-    .unwrap();
+    let d_input = d_input_on(&mut cpu);
     // The loss `sum(dy * y)`, numerically.
     let loss = |cpu: &mut Cpu, x: &PreActivatedInput<2>| {
         let mut y = PreActivatedOutput::<2>::zeros();
@@ -1093,20 +1099,5 @@ fn pre_activated_residual_blocks_match_finite_differences() {
     assert_close("d_input", d_input.as_slice(), &numeric, 1e-7);
     // The same bits on two threads, whose workers split the fused pass.
     let mut two = Cpu::with_threads(2).unwrap().__split_everything();
-    let mut state2 = PreActivatedState::new();
-    net.clone()
-        .forward(&mut two, &x, &mut state2, Mode::Train)
-        .unwrap();
-    let (mut grads2, mut d_input2) = (PreActivatedGrads::zeros(), PreActivatedInput::<2>::zeros());
-    net.backward_full(
-        &mut two,
-        &state2,
-        &x,
-        &dy,
-        &mut d_input2,
-        &mut grads2,
-        Mode::Train,
-    )
-    .unwrap();
-    assert_eq!(d_input.as_slice(), d_input2.as_slice());
+    assert_eq!(d_input.as_slice(), d_input_on(&mut two).as_slice());
 }
