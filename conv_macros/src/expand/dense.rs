@@ -202,16 +202,18 @@ pub fn expand(spec: &Spec) -> TokenStream {
             __dense_put::<__S, { __V }, { __FULL }, { __ADD }>(&acc, k0, out);
         }
 
-        /// Prefetches the lines of `n` values from `p` (at most a stripe, `V * L`).
+        /// Prefetches the lines of the stripe of `row` (`IC` values) that starts at input `k`
+        /// (`VECS` vectors, or up to `IC`).
         #[inline(always)]
-        unsafe fn __dense_prefetch<__S: #rt::Simd<Elem = __A>>(p: *const __A, n: usize) {
+        unsafe fn __dense_prefetch<__S: #rt::Simd<Elem = __A>>(row: *const __A, k: usize) {
+            let n = if __IC - k < #vecs * __L { __IC - k } else { #vecs * __L };
             let per_line = 64 / ::core::mem::size_of::<__A>();
             let mut i = 0;
             while i < n {
-                __S::prefetch(p.add(i));
+                __S::prefetch(row.add(k + i));
                 i += per_line;
             }
-            __S::prefetch(p.add(n - 1));
+            __S::prefetch(row.add(k + n - 1));
         }
 
         /// Whether a tile of `rows` rows (masks `stride` apart) over `terms` terms has few
@@ -228,18 +230,6 @@ pub fn expand(spec: &Spec) -> TokenStream {
     };
     let forward_tiles = forward_tiles(spec);
     let wide = lit(WIDE);
-    let wide_tiles = {
-        let cols = reachable(spec.out_channels, WIDE);
-        let arms = (0..cols.len()).map(|j| {
-            let (c_pat, c) = (pattern(&cols, j), lit(cols[j]));
-            quote!(#c_pat => __dense_tile::<__S, 1, #c>(xr, wc, &mut put),)
-        });
-        quote! {
-            match cs {
-                #(#arms)*
-            }
-        }
-    };
     let forward = dispatched(
         spec.dtype,
         "dense_forward",
@@ -251,27 +241,14 @@ pub fn expand(spec: &Spec) -> TokenStream {
         },
         quote!(x, w, b, y, batch, channels),
         quote! {
-            let (xp, wp) = (x.as_ptr(), w.as_ptr());
-            if batch.len() == 1 {
-                // One row: `WIDE` rows of the weights at a time, each read once.
-                let r0 = batch.start;
-                let mut c0 = channels.start;
-                while c0 < channels.end {
-                    let cs = if channels.end - c0 < #wide { channels.end - c0 } else { #wide };
-                    let (xr, wc) = (xp.add(r0 * __IC), wp.add(c0 * __IC));
-                    let mut put = |_: usize, c: usize, v: __A| {
-                        *y.at(r0 * __OC + c0 + c) = b[c0 + c] + v;
-                    };
-                    #wide_tiles
-                    c0 += #wide;
-                }
-                return;
-            }
             // Channels outside, rows inside: a block of `COLS` weight rows stays in L1 for
-            // every row (the whole of `w` does not stay in L2 beside the gradients).
+            // every row (the whole of `w` does not stay in L2 beside the gradients). One row
+            // (one action) takes `WIDE` weight rows at a time, each read once.
+            let (xp, wp) = (x.as_ptr(), w.as_ptr());
+            let step = if batch.len() == 1 { #wide } else { #cols };
             let mut c0 = channels.start;
             while c0 < channels.end {
-                let cs = if channels.end - c0 < #cols { channels.end - c0 } else { #cols };
+                let cs = if channels.end - c0 < step { channels.end - c0 } else { step };
                 let mut r0 = batch.start;
                 while r0 < batch.end {
                     let rs = if batch.end - r0 < #rows { batch.end - r0 } else { #rows };
@@ -282,7 +259,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     #forward_tiles
                     r0 += #rows;
                 }
-                c0 += #cols;
+                c0 += step;
             }
         },
     );
@@ -382,19 +359,16 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         (first, if __OC - first < __CHUNK { __OC - first } else { __CHUNK }, k0 + #vecs * __L)
                     };
                     let tiles = batch.len().div_ceil(#tile_rows);
-                    let share = if tiles > 0 { next_terms.div_ceil(tiles) } else { 0 };
-                    let n = if kn < __IC { if __IC - kn < #vecs * __L { __IC - kn } else { #vecs * __L } } else { 0 };
+                    let share = if tiles > 0 && kn < __IC { next_terms.div_ceil(tiles) } else { 0 };
                     let mut r0 = batch.start;
                     while r0 < batch.end {
                         let rs = if batch.end - r0 < #tile_rows { batch.end - r0 } else { #tile_rows };
                         let (g, gs, gj, v) = (dz.as_ptr().add(r0 * __OC + o0), __OC, 1, stripe.as_ptr());
                         let dst = out.as_mut_ptr().add((r0 - batch.start) * __IC);
                         let add = o0 > first;
-                        if n > 0 {
-                            let j0 = (r0 - batch.start) / #tile_rows * share;
-                            for j in j0..if j0 + share < next_terms { j0 + share } else { next_terms } {
-                                __dense_prefetch::<__S>(w.as_ptr().add((next + j) * __IC + kn), n);
-                            }
+                        let j0 = (r0 - batch.start) / #tile_rows * share;
+                        for j in j0..if j0 + share < next_terms { j0 + share } else { next_terms } {
+                            __dense_prefetch::<__S>(w.as_ptr().add((next + j) * __IC), kn);
                         }
                         let row = (r0 - batch.start) * __OCHUNKS + o0 / __CHUNK;
                         if __DATA_MASKS > 0 && __dense_sparse(&masks[row..], __OCHUNKS, rs, terms) {
@@ -451,9 +425,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
                         let ahead = o0 - channels.start + __AHEAD;
                         let (ks, oa) = (k0 + ahead / channels.len() * #vecs * __L, channels.start + ahead % channels.len());
                         if ks < __IC {
-                            let n = if __IC - ks < #vecs * __L { __IC - ks } else { #vecs * __L };
                             for r in oa..if oa + #tile_rows < channels.end { oa + #tile_rows } else { channels.end } {
-                                __dense_prefetch::<__S>(rows.as_ptr().add((r - channels.start) * __IC + ks), n);
+                                __dense_prefetch::<__S>(rows.as_ptr().add((r - channels.start) * __IC), ks);
                             }
                         }
                         let row = (o0 - channels.start) * __BCHUNKS + b0 / __CHUNK;
@@ -712,9 +685,16 @@ fn stripe_arms<'a>(
 /// channels (those `COLS` at a time reach), over row `r0` and channel `c0`.
 fn forward_tiles(spec: &Spec) -> TokenStream {
     let cols = reachable(spec.out_channels, COLS);
+    // A tile of one row also takes `WIDE` channels (the pass over one row steps by them).
+    let mut one_row = reachable(spec.out_channels, WIDE);
+    one_row.extend(
+        cols.iter()
+            .filter(|c| !one_row.contains(c))
+            .collect::<Vec<_>>(),
+    );
     let rows: Vec<usize> = (1..=ROWS).rev().collect();
     let arms = (0..rows.len()).flat_map(|i| {
-        let (rows, cols) = (&rows, &cols);
+        let (rows, cols) = (&rows, if rows[i] == 1 { &one_row } else { &cols });
         (0..cols.len()).map(move |j| {
             let (r_pat, c_pat) = (pattern(rows, i), pattern(cols, j));
             let (r, c) = (lit(rows[i]), lit(cols[j]));

@@ -1458,31 +1458,28 @@ fn emit_backward(
                     body.extend(quote! {
                         #module::#f(device.__pool(), #grad.as_slice(), #inner_grad, #x.as_slice(), #act_out.as_slice(), (#dst).as_mut_slice());
                     });
-                    if i > 0 {
-                        grad = quote!(&g.#field);
-                    }
-                    continue;
-                }
-                // dx = dy + (the inner list's input gradient), through a buffer of its own.
-                let inner_into = dst.as_ref().map(|_| {
-                    let buf = format_ident!("__inner_{}", e.path);
-                    quote!(&mut g.#buf)
-                });
-                emit_backward(
-                    flow,
-                    inner,
-                    x.clone(),
-                    grad.clone(),
-                    inner_into.clone(),
-                    body,
-                    grads_root,
-                );
-                if let (Some(dst), Some(_)) = (&dst, &inner_into) {
-                    let f = format_ident!("__forward_{}", e.path);
-                    let buf = format_ident!("__inner_{}", e.path);
-                    body.extend(quote! {
+                } else {
+                    // dx = dy + (the inner list's input gradient), through a buffer of its own.
+                    let inner_into = dst.as_ref().map(|_| {
+                        let buf = format_ident!("__inner_{}", e.path);
+                        quote!(&mut g.#buf)
+                    });
+                    emit_backward(
+                        flow,
+                        inner,
+                        x.clone(),
+                        grad.clone(),
+                        inner_into.clone(),
+                        body,
+                        grads_root,
+                    );
+                    if let (Some(dst), Some(_)) = (&dst, &inner_into) {
+                        let f = format_ident!("__forward_{}", e.path);
+                        let buf = format_ident!("__inner_{}", e.path);
+                        body.extend(quote! {
                         #module::#f(device.__pool(), #grad.as_slice(), g.#buf.as_slice(), (#dst).as_mut_slice());
                     });
+                    }
                 }
             }
         }
