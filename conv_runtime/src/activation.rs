@@ -77,6 +77,59 @@ pub fn apply_to<A: Activation, R: Real>(src: &[R], dst: &mut [R]) {
     A::apply_to(src, dst)
 }
 
+/// `out[i] = f([inputs[0][i], ..])` over the shortest of the slices, vectorized with AVX2+FMA
+/// where the CPU has it (the loop inlined into an AVX2 instantiation, as [`apply`]): the one
+/// loop of the element-wise passes below.
+#[inline(always)]
+fn map<const N: usize, T: Copy, U, F: Fn([T; N]) -> U>(inputs: [&[T]; N], out: &mut [U], f: &F) {
+    #[inline(always)]
+    fn run<const N: usize, T: Copy, U, F: Fn([T; N]) -> U>(
+        inputs: [&[T]; N],
+        out: &mut [U],
+        f: &F,
+    ) {
+        // Every slice cut to one length, so that the indexing below needs no checks.
+        let n = inputs.iter().fold(out.len(), |n, x| n.min(x.len()));
+        let (inputs, out) = (inputs.map(|x| &x[..n]), &mut out[..n]);
+        for i in 0..n {
+            out[i] = f(::core::array::from_fn(|k| inputs[k][i]));
+        }
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn run_avx2<const N: usize, T: Copy, U, F: Fn([T; N]) -> U>(
+            inputs: [&[T]; N],
+            out: &mut [U],
+            f: &F,
+        ) {
+            run(inputs, out, f)
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2 and FMA.
+            return unsafe { run_avx2(inputs, out, f) };
+        }
+    }
+    run(inputs, out, f)
+}
+
+/// [`map`] on the pool's threads, the elements cut into one contiguous range per worker (each
+/// element is computed alone: the partition does not change the results).
+#[inline(always)]
+fn map_on<const N: usize, T: Copy + Sync, U: Send, F: Fn([T; N]) -> U + Sync>(
+    pool: &crate::cpu::Pool,
+    inputs: [&[T]; N],
+    out: &mut [U],
+    f: F,
+) {
+    let outs = crate::cpu::Shared::new(out);
+    pool.split(outs.len(), crate::cpu::ELEMENT_WORK, &|r| {
+        // SAFETY: the workers' ranges are disjoint.
+        let out = unsafe { outs.part(r.start, r.len()) };
+        map(inputs.map(|x| &x[r.clone()]), out, &f);
+    });
+}
+
 /// `dz = d_output * f'(pre)` (with `output = f(pre)`), in the accumulator type, vectorized with
 /// AVX2+FMA where the CPU has it: the first step of every generated backward pass.
 #[inline]
@@ -86,33 +139,12 @@ pub fn backward<A: Activation, T: Element>(
     output: &[T],
     dz: &mut [T::Acc],
 ) {
-    #[inline(always)]
-    fn run<A: Activation, T: Element>(d: &[T], pre: &[T], out: &[T], dz: &mut [T::Acc]) {
-        for (((dz, d), x), y) in dz.iter_mut().zip(d).zip(pre).zip(out) {
-            *dz = d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc());
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2,fma")]
-        unsafe fn run_avx2<A: Activation, T: Element>(
-            d: &[T],
-            p: &[T],
-            o: &[T],
-            dz: &mut [T::Acc],
-        ) {
-            run::<A, T>(d, p, o, dz)
-        }
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { run_avx2::<A, T>(d_output, pre, output, dz) };
-        }
-    }
-    run::<A, T>(d_output, pre, output, dz)
+    map([d_output, pre, output], dz, &|[d, x, y]: [T; 3]| {
+        d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc())
+    });
 }
 
-/// [`backward`] on the pool's threads, the elements cut into one contiguous range per worker
-/// (each element is computed alone: the partition does not change the results).
+/// [`backward`] on the pool's threads.
 pub fn backward_on<A: Activation, T: Element>(
     pool: &crate::cpu::Pool,
     d_output: &[T],
@@ -122,39 +154,15 @@ pub fn backward_on<A: Activation, T: Element>(
 ) where
     T::Acc: Send,
 {
-    let dzs = crate::cpu::Shared::new(dz);
-    pool.split(dzs.len(), crate::cpu::ELEMENT_WORK, &|r| {
-        // SAFETY: the workers' ranges are disjoint.
-        let dz = unsafe { dzs.part(r.start, r.len()) };
-        backward::<A, T>(&d_output[r.clone()], &pre[r.clone()], &output[r], dz);
+    map_on(pool, [d_output, pre, output], dz, |[d, x, y]: [T; 3]| {
+        d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc())
     });
 }
 
 /// `network!`'s `Activation` entry: `y = f(x)` in the element type (through the accumulator),
-/// on the pool's threads, vectorized as [`apply`].
+/// on the pool's threads.
 pub fn entry_forward_on<A: Activation, T: Element>(pool: &crate::cpu::Pool, x: &[T], y: &mut [T]) {
-    #[inline(always)]
-    fn run<A: Activation, T: Element>(x: &[T], y: &mut [T]) {
-        for (y, x) in y.iter_mut().zip(x) {
-            *y = T::from_acc(A::f(x.to_acc()));
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<A: Activation, T: Element>(x: &[T], y: &mut [T]) {
-        run::<A, T>(x, y)
-    }
-    let ys = crate::cpu::Shared::new(y);
-    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
-        // SAFETY: the workers' ranges are disjoint.
-        let y = unsafe { ys.part(r.start, r.len()) };
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { run_avx2::<A, T>(&x[r], y) };
-        }
-        run::<A, T>(&x[r], y)
-    });
+    map_on(pool, [x], y, |[x]: [T; 1]| T::from_acc(A::f(x.to_acc())));
 }
 
 /// The gradient of [`entry_forward_on`]: `dx = dy * f'(x)` (given `y = f(x)`), in the element
@@ -166,28 +174,8 @@ pub fn entry_backward_on<A: Activation, T: Element>(
     y: &[T],
     dx: &mut [T],
 ) {
-    #[inline(always)]
-    fn run<A: Activation, T: Element>(dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
-        for (((dx, dy), x), y) in dx.iter_mut().zip(dy).zip(x).zip(y) {
-            *dx = T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()));
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<A: Activation, T: Element>(dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
-        run::<A, T>(dy, x, y, dx)
-    }
-    let dxs = crate::cpu::Shared::new(dx);
-    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
-        // SAFETY: the workers' ranges are disjoint.
-        let dx = unsafe { dxs.part(r.start, r.len()) };
-        let (dy, x, y) = (&dy[r.clone()], &x[r.clone()], &y[r]);
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { run_avx2::<A, T>(dy, x, y, dx) };
-        }
-        run::<A, T>(dy, x, y, dx)
+    map_on(pool, [dy, x, y], dx, |[dy, x, y]: [T; 3]| {
+        T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()))
     });
 }
 
@@ -202,69 +190,17 @@ pub fn entry_backward_sum_on<A: Activation, T: Element>(
     y: &[T],
     dx: &mut [T],
 ) {
-    #[inline(always)]
-    fn run<A: Activation, T: Element>(skip: &[T], dy: &[T], x: &[T], y: &[T], dx: &mut [T]) {
-        let n = dx
-            .len()
-            .min(skip.len())
-            .min(dy.len())
-            .min(x.len())
-            .min(y.len());
-        for i in 0..n {
-            let t = T::from_acc(dy[i].to_acc() * A::df_given_output(x[i].to_acc(), y[i].to_acc()));
-            dx[i] = T::from_acc(skip[i].to_acc() + t.to_acc());
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<A: Activation, T: Element>(
-        skip: &[T],
-        dy: &[T],
-        x: &[T],
-        y: &[T],
-        dx: &mut [T],
-    ) {
-        run::<A, T>(skip, dy, x, y, dx)
-    }
-    let dxs = crate::cpu::Shared::new(dx);
-    pool.split(x.len(), crate::cpu::ELEMENT_WORK, &|r| {
-        // SAFETY: the workers' ranges are disjoint.
-        let dx = unsafe { dxs.part(r.start, r.len()) };
-        let (skip, dy, x, y) = (&skip[r.clone()], &dy[r.clone()], &x[r.clone()], &y[r]);
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { run_avx2::<A, T>(skip, dy, x, y, dx) };
-        }
-        run::<A, T>(skip, dy, x, y, dx)
+    map_on(pool, [skip, dy, x, y], dx, |[skip, dy, x, y]: [T; 4]| {
+        let t = T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()));
+        T::from_acc(skip.to_acc() + t.to_acc())
     });
 }
 
 /// A residual block's sum `y = a + b` (and, backward, its input gradient), in the element
 /// type through the accumulator, on the pool's threads.
 pub fn sum_on<T: Element>(pool: &crate::cpu::Pool, a: &[T], b: &[T], y: &mut [T]) {
-    #[inline(always)]
-    fn run<T: Element>(a: &[T], b: &[T], y: &mut [T]) {
-        for ((y, a), b) in y.iter_mut().zip(a).zip(b) {
-            *y = T::from_acc(a.to_acc() + b.to_acc());
-        }
-    }
-    #[cfg(target_arch = "x86_64")]
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn run_avx2<T: Element>(a: &[T], b: &[T], y: &mut [T]) {
-        run::<T>(a, b, y)
-    }
-    let ys = crate::cpu::Shared::new(y);
-    pool.split(a.len(), crate::cpu::ELEMENT_WORK, &|r| {
-        // SAFETY: the workers' ranges are disjoint.
-        let y = unsafe { ys.part(r.start, r.len()) };
-        let (a, b) = (&a[r.clone()], &b[r]);
-        #[cfg(target_arch = "x86_64")]
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2 and FMA.
-            return unsafe { run_avx2::<T>(a, b, y) };
-        }
-        run::<T>(a, b, y)
+    map_on(pool, [a, b], y, |[a, b]: [T; 2]| {
+        T::from_acc(a.to_acc() + b.to_acc())
     });
 }
 
