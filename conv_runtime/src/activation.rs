@@ -130,6 +130,13 @@ fn map_on<const N: usize, T: Copy + Sync, U: Send, F: Fn([T; N]) -> U + Sync>(
     });
 }
 
+/// `dy * f'(x)` (given `y = f(x)`) in the accumulator type: the product of every backward pass
+/// below.
+#[inline(always)]
+fn gradient<A: Activation, T: Element>(dy: T, x: T, y: T) -> T::Acc {
+    dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc())
+}
+
 /// `dz = d_output * f'(pre)` (with `output = f(pre)`), in the accumulator type, vectorized with
 /// AVX2+FMA where the CPU has it: the first step of every generated backward pass.
 #[inline]
@@ -140,7 +147,7 @@ pub fn backward<A: Activation, T: Element>(
     dz: &mut [T::Acc],
 ) {
     map([d_output, pre, output], dz, &|[d, x, y]: [T; 3]| {
-        d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc())
+        gradient::<A, T>(d, x, y)
     });
 }
 
@@ -155,7 +162,7 @@ pub fn backward_on<A: Activation, T: Element>(
     T::Acc: Send,
 {
     map_on(pool, [d_output, pre, output], dz, |[d, x, y]: [T; 3]| {
-        d.to_acc() * A::df_given_output(x.to_acc(), y.to_acc())
+        gradient::<A, T>(d, x, y)
     });
 }
 
@@ -175,7 +182,7 @@ pub fn entry_backward_on<A: Activation, T: Element>(
     dx: &mut [T],
 ) {
     map_on(pool, [dy, x, y], dx, |[dy, x, y]: [T; 3]| {
-        T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()))
+        T::from_acc(gradient::<A, T>(dy, x, y))
     });
 }
 
@@ -191,7 +198,7 @@ pub fn entry_backward_sum_on<A: Activation, T: Element>(
     dx: &mut [T],
 ) {
     map_on(pool, [skip, dy, x, y], dx, |[skip, dy, x, y]: [T; 4]| {
-        let t = T::from_acc(dy.to_acc() * A::df_given_output(x.to_acc(), y.to_acc()));
+        let t = T::from_acc(gradient::<A, T>(dy, x, y));
         T::from_acc(skip.to_acc() + t.to_acc())
     });
 }

@@ -1477,8 +1477,8 @@ fn emit_backward(
                         let f = format_ident!("__forward_{}", e.path);
                         let buf = format_ident!("__inner_{}", e.path);
                         body.extend(quote! {
-                        #module::#f(device.__pool(), #grad.as_slice(), g.#buf.as_slice(), (#dst).as_mut_slice());
-                    });
+                            #module::#f(device.__pool(), #grad.as_slice(), g.#buf.as_slice(), (#dst).as_mut_slice());
+                        });
                     }
                 }
             }
