@@ -22,6 +22,7 @@
 #![allow(clippy::needless_range_loop)]
 
 use crate::simd::Simd;
+use std::ops::Range;
 
 /// Entries of the arrays the transforms work on: the largest tile.
 pub const MAX: usize = 6;
@@ -417,10 +418,12 @@ pub unsafe fn gradient<V: Variant, S: Simd>(dy: [[S; MAX]; MAX], n: *mut S::Elem
 /// `B dv B^T` (element `e` of `dv` at `dv + e * stride`) into the input tile
 /// `x + i * row + j * col`: added into its first `add_rows` rows and `add_cols` columns (where
 /// earlier tiles overlap it), stored over the rest (which no earlier tile reached, so that the
-/// gradient needs no clearing).
+/// gradient needs no clearing); only rows `rows` and columns `cols` of the tile are touched (the
+/// others lie outside the image written).
 ///
 /// # Safety
-/// Every address read or written holds `S::LANES` elements.
+/// Every address written (rows `rows`, columns `cols`) holds `S::LANES` elements.
+#[allow(clippy::too_many_arguments)]
 #[inline(always)]
 pub unsafe fn input_gradient<V: Variant, S: Simd>(
     dv: *const S::Elem,
@@ -430,6 +433,8 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
     col: usize,
     add_rows: usize,
     add_cols: usize,
+    rows: Range<usize>,
+    cols: Range<usize>,
 ) {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
@@ -439,9 +444,16 @@ pub unsafe fn input_gradient<V: Variant, S: Simd>(
         }
     }
     for i in 0..V::N {
+        if i < rows.start || i >= rows.end {
+            continue;
+        }
         let r = V::b(t[i]);
         for j in 0..V::N {
-            let p = x.add(i * row + j * col);
+            if j < cols.start || j >= cols.end {
+                continue;
+            }
+            // Offsets, not `add`: the tile's origin may lie outside the image written.
+            let p = x.wrapping_add(i * row + j * col);
             if i < add_rows || j < add_cols {
                 S::load(p).add(r[j]).store(p);
             } else {
@@ -622,7 +634,9 @@ mod tests {
             }
             // Added into the first row and the first two columns, stored over the rest.
             let mut dd = vec![0.5; n * n * L];
-            unsafe { input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), n * L, L, 1, 2) };
+            unsafe {
+                input_gradient::<V, S>(dv.as_ptr(), L, dd.as_mut_ptr(), n * L, L, 1, 2, 0..n, 0..n)
+            };
             for i in 0..n {
                 for j in 0..n {
                     let mut direct = if i < 1 || j < 2 { 0.5 } else { 0.0 };
@@ -634,6 +648,29 @@ mod tests {
                         }
                     }
                     assert!(close(dd[(i * n + j) * L + ln], direct), "dd[{i}][{j}]");
+                }
+            }
+            // Clipped to rows 1.. and the columns but the last: the same values there, the rest
+            // untouched.
+            let mut clipped = vec![0.5; n * n * L];
+            unsafe {
+                input_gradient::<V, S>(
+                    dv.as_ptr(),
+                    L,
+                    clipped.as_mut_ptr(),
+                    n * L,
+                    L,
+                    1,
+                    2,
+                    1..n,
+                    0..n - 1,
+                )
+            };
+            for i in 0..n {
+                for j in 0..n {
+                    let at = (i * n + j) * L + ln;
+                    let want = if i >= 1 && j < n - 1 { dd[at] } else { 0.5 };
+                    assert_eq!(clipped[at], want, "clipped[{i}][{j}]");
                 }
             }
         }

@@ -22,8 +22,9 @@
 //! through a zero-padded copy (`DIRECT_INPUT`). Otherwise each image is staged (space-to-depth,
 //! or converted from a half type) in a zero-bordered copy as large as the whole tiles read, when
 //! the first chunk reaches it, in one of `SLOTS` buffers that stay in cache. The input gradient
-//! is built per image in such a slot, stored where no earlier tile reached and added where
-//! tiles overlap, and copied out when the image's last chunk is done. Outputs of tiles past the
+//! is stored where no earlier tile reached and added where tiles overlap: in place, each tile
+//! clipped to the image, where tiles read the input in place; otherwise in such a slot, copied
+//! out when the image's last chunk is done. Outputs of tiles past the
 //! last row or column are not stored, and their gradients are zero. `WIC` is the staged image's channel
 //! count (`IC`, or `SD * SD * IC` space-to-depth).
 
@@ -406,6 +407,20 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     let src = &dx[(h2 * __WW + w2) * __WIC + block..][..__IC];
                     <__T as #rt::Element>::from_acc_slice(src, &mut row[w * __IC..][..__IC]);
                 }
+            }
+        }
+
+        /// Zeros over the inputs past the staged image (they feed no output), where the
+        /// input gradient is written in place: no tile reaches them.
+        fn __wino_unreached(d_input: &mut [__T]) {
+            if __SIH == __IH && __SIW == __IW {
+                return;
+            }
+            let zero = <__T as #rt::Element>::zero();
+            for h in 0..__IH {
+                let row = &mut d_input[h * __IW * __IC..][..__IW * __IC];
+                let from = if h >= __SIH { 0 } else { __SIW * __IC };
+                row[from..].fill(zero);
             }
         }
 
@@ -899,22 +914,40 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     for t in 0..count {
                         let (g, tw) = (r0 + t / __WTW, t % __WTW);
                         let (img, th) = (g / __WTH, g % __WTH);
-                        let dst = dxp.add(img % __SLOTS * __STAGED_IMAGE + (__WSTEP * th * __WW + __WSTEP * tw) * __WIC);
                         // Tiles run in rows, left to right: the ones above and to the left
                         // overlap this one in its first `WN - WSTEP` rows and columns.
                         let add_rows = if th == 0 { 0 } else { __WN - __WSTEP };
                         let add_cols = if tw == 0 { 0 } else { __WN - __WSTEP };
-                        for c in (0..__WIC).step_by(__L) {
-                            #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.add(c), __WW * __WIC, __WIC, add_rows, add_cols);
+                        let (sy, sx) = (__WSTEP * th, __WSTEP * tw);
+                        if __DIRECT_INPUT {
+                            // Straight into the image (staged row `sy` is input row `sy - PH`),
+                            // the tile clipped to the inputs the staged image holds.
+                            let rows = __PH.saturating_sub(sy)..if (__SIH + __PH).saturating_sub(sy) < __WN { (__SIH + __PH).saturating_sub(sy) } else { __WN };
+                            let cols = __PW.saturating_sub(sx)..if (__SIW + __PW).saturating_sub(sx) < __WN { (__SIW + __PW).saturating_sub(sx) } else { __WN };
+                            let image = d_input.part(img * __IMAGE, __IMAGE).as_mut_ptr() as *mut __A;
+                            let origin = (sy as isize - __PH as isize) * (__IW * __IC) as isize + (sx as isize - __PW as isize) * __IC as isize;
+                            let dst = image.wrapping_offset(origin);
+                            for c in (0..__IC).step_by(__L) {
+                                #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.wrapping_add(c), __IW * __IC, __IC, add_rows, add_cols, rows.clone(), cols.clone());
+                            }
+                        } else {
+                            let dst = dxp.add(img % __SLOTS * __STAGED_IMAGE + (sy * __WW + sx) * __WIC);
+                            for c in (0..__WIC).step_by(__L) {
+                                #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.add(c), __WW * __WIC, __WIC, add_rows, add_cols, 0..__WN, 0..__WN);
+                            }
                         }
                     }
                 }
                 r0 += rows;
                 // Images whose tiles are all done: their input gradient is complete.
                 while data && done < r0 / __WTH {
-                    let slot = &dx[done % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE];
                     // SAFETY: the image is this part's.
-                    __wino_unstage(slot, d_input.part(done * __IMAGE, __IMAGE));
+                    let image = d_input.part(done * __IMAGE, __IMAGE);
+                    if __DIRECT_INPUT {
+                        __wino_unreached(image);
+                    } else {
+                        __wino_unstage(&dx[done % __SLOTS * __STAGED_IMAGE..][..__STAGED_IMAGE], image);
+                    }
                     done += 1;
                 }
             }
