@@ -410,6 +410,14 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             }
         }
 
+        /// The rows (or columns) of a tile at staged row `s` that hold inputs the staged image
+        /// holds (`held` of them after `pad` rows of padding).
+        #[inline(always)]
+        fn __wino_clip(s: usize, pad: usize, held: usize) -> ::core::ops::Range<usize> {
+            let end = (held + pad).saturating_sub(s);
+            pad.saturating_sub(s)..if end < __WN { end } else { __WN }
+        }
+
         /// Zeros over the inputs past the staged image (they feed no output), where the
         /// input gradient is written in place: no tile reaches them.
         fn __wino_unreached(d_input: &mut [__T]) {
@@ -836,10 +844,10 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         },
         quote!(x, xs, g, dz, dzc, ut, v, n, du, dx, d_input, images),
         quote! {
-            let (weights, data) = (!du.is_empty(), !dx.is_empty());
+            let (weights, data) = (!du.is_empty(), !d_input.is_empty());
             ::core::debug_assert!(!weights || (x.len() == __BATCH * __IMAGE && du.len() == __U_LEN));
             ::core::debug_assert!(!weights || xs.len() >= __XS_LEN);
-            ::core::debug_assert!(!data || (ut.len() == __U_LEN && dx.len() >= __SLOTS * __STAGED_IMAGE));
+            ::core::debug_assert!(!data || (ut.len() == __U_LEN && dx.len() >= __DX_SLOTS));
             ::core::debug_assert!(!data || d_input.len() == __BATCH * __IMAGE);
             ::core::debug_assert!(if __FUSED { dzc.len() >= __DZ_CHUNK } else { dz.len() >= __BATCH * __NPIX * __OC });
             ::core::debug_assert!(v.len() >= __ELEMS * __WCT * __WIC && n.len() >= __ELEMS * __WCT * __OC);
@@ -922,8 +930,7 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                         if __DIRECT_INPUT {
                             // Straight into the image (staged row `sy` is input row `sy - PH`),
                             // the tile clipped to the inputs the staged image holds.
-                            let rows = __PH.saturating_sub(sy)..if (__SIH + __PH).saturating_sub(sy) < __WN { (__SIH + __PH).saturating_sub(sy) } else { __WN };
-                            let cols = __PW.saturating_sub(sx)..if (__SIW + __PW).saturating_sub(sx) < __WN { (__SIW + __PW).saturating_sub(sx) } else { __WN };
+                            let (rows, cols) = (__wino_clip(sy, __PH, __SIH), __wino_clip(sx, __PW, __SIW));
                             let image = d_input.part(img * __IMAGE, __IMAGE).as_mut_ptr() as *mut __A;
                             let origin = (sy as isize - __PH as isize) * (__IW * __IC) as isize + (sx as isize - __PW as isize) * __IC as isize;
                             let dst = image.wrapping_offset(origin);
@@ -971,6 +978,9 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
         /// The backward pass's parts: whole images each, with a weight-gradient partial of
         /// their own (see `weight_parts`).
         const __WPARTS: usize = #wparts;
+        /// The staged input gradients' slots of a worker: none where the gradient is written in
+        /// place.
+        const __DX_SLOTS: usize = if __DIRECT_INPUT { 0 } else { __SLOTS * __STAGED_IMAGE };
         /// `dz` of one chunk at most: its tile rows' output rows (none where a chunk reads the
         /// output gradient in place).
         const __DZ_CHUNK: usize = #dz_chunk;
@@ -1005,9 +1015,9 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
             let work = __BATCH * __NPIX * __WINDOW * __OC;
             let workers = cpu.__pool().workers(__WPARTS, work);
             // Each worker's scratch: `dz` of a chunk, the transforms, the staged input and the
-            // staged input gradient.
+            // staged input gradient (if any).
             const __DZC: usize = if __FUSED { __DZ_CHUNK } else { 0 };
-            const __WORKER: usize = __DZC + __ELEMS * __WCT * (__WIC + __OC) + __XS_LEN + __SLOTS * __STAGED_IMAGE;
+            const __WORKER: usize = __DZC + __ELEMS * __WCT * (__WIC + __OC) + __XS_LEN + __DX_SLOTS;
             let dz_len = if __FUSED { 0 } else { __BATCH * __NPIX * __OC };
             let du_len = if weights { __WPARTS * __U_LEN } else { 0 };
             let #rt::Workspace { packed, scratch, pool } = cpu.__workspace::<__A>(
