@@ -28,8 +28,8 @@
 mod common;
 
 /// The specs reaching every kernel family: direct convolutions (input gradient scattered, and
-/// gathered), each Winograd variant (F(4x4, 3x3), F(2x2, 3x3), F(3x3, 2x2) on space-to-depth,
-/// F(2x2, 3x3) at stride 2), f64, f16, bf16, each norm, and a layer large enough for cuDNN on
+/// gathered), each Winograd variant (F(4x4, 3x3), F(2x2, 3x3), F(3x3, 2x2) and F(5x5, 2x2) on
+/// space-to-depth, F(2x2, 3x3) at stride 2), f64, f16, bf16, each norm, and a layer large enough for cuDNN on
 /// the CUDA device. `families!(m, extra..)` calls `m! { extra..; name: { keys }, .. }`.
 macro_rules! families {
     ($m:path $(, $($extra:tt)*)?) => {
@@ -46,6 +46,8 @@ macro_rules! families {
             wino_f2x3: { input: [6, 11, 24], out_channels: 40, kernel: 3, padding: [1, 0],
                 activation: FastTanh, batch: 2 },
             wino_f3x2: { input: [20, 20, 4], out_channels: 16, kernel: 4, stride: 2,
+                activation: Relu, batch: 1 },
+            wino_f5x2: { input: [22, 22, 4], out_channels: 16, kernel: 4, stride: 2,
                 activation: Relu, batch: 1 },
             wino_f2x3s2: { input: [16, 16, 16], out_channels: 32, kernel: 3, stride: 2,
                 padding: 1, activation: Relu, batch: 2 },

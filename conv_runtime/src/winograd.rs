@@ -74,6 +74,11 @@ pub struct F3x2;
 /// F(4x4, 3x3), interpolation points 0, 1, -1, 2, -2 and infinity.
 pub struct F4x3;
 
+/// F(5x5, 2x2), interpolation points 0, 1, -1, 2, -2 and infinity: `6 x 6` multiplies for 25
+/// outputs where the direct sum does 100, and [`F4x3`]'s input transform (it depends on the
+/// points only).
+pub struct F5x2;
+
 /// F(2x2, 3x3) at stride 2, per axis the odd taps (kernel taps 0 and 2 over the tile's even
 /// inputs) as F(2, 2) (points 0, -1 and infinity, additions only) and the middle tap (over the
 /// odd inputs) as it is: `5 x 5` multiplies for 4 outputs where the direct sum does 36.
@@ -285,6 +290,82 @@ impl Variant for F4x3 {
             ),
             S::fma(d34, k(1.0 / 12.0), d12.mul(k(-1.0 / 6.0))),
             S::fma(s34.sub(s12), k(1.0 / 6.0), x[5]),
+        ])
+    }
+}
+
+// F(5x5, 2x2): B^T as F(4x4, 3x3)'s,
+// G   = [1/4 0; -1/6 -1/6; -1/6 1/6; 1/24 1/12; 1/24 -1/12; 0 1]
+// A^T = [1 1 1 1 1 0; 0 1 -1 2 -2 0; 0 1 1 4 4 0; 0 1 -1 8 -8 0; 0 1 1 16 16 1]
+impl Variant for F5x2 {
+    const N: usize = 6;
+    const M: usize = 5;
+    const R: usize = 2;
+    #[inline(always)]
+    unsafe fn bt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        F4x3::bt(x)
+    }
+    #[inline(always)]
+    unsafe fn b<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        F4x3::b(x)
+    }
+    #[inline(always)]
+    unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let k = |v: f64| S::splat(c(v));
+        let (s12, d12, s34, d34) = (
+            x[1].add(x[2]),
+            x[1].sub(x[2]),
+            x[3].add(x[4]),
+            x[3].sub(x[4]),
+        );
+        pad([
+            x[0].add(s12).add(s34),
+            S::fma(k(2.0), d34, d12),
+            S::fma(k(4.0), s34, s12),
+            S::fma(k(8.0), d34, d12),
+            S::fma(k(16.0), s34, s12).add(x[5]),
+        ])
+    }
+    #[inline(always)]
+    unsafe fn a<S: Simd>(y: [S; MAX]) -> [S; MAX] {
+        // Columns of A^T: the adjoint of `at`.
+        let k = |v: f64| S::splat(c(v));
+        let (e1, o1) = (y[0].add(y[2]).add(y[4]), y[1].add(y[3]));
+        let (e2, o2) = (
+            S::fma(k(16.0), y[4], S::fma(k(4.0), y[2], y[0])),
+            S::fma(k(8.0), y[3], k(2.0).mul(y[1])),
+        );
+        pad([y[0], e1.add(o1), e1.sub(o1), e2.add(o2), e2.sub(o2), y[4]])
+    }
+    #[inline(always)]
+    unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let k = |v: f64| S::splat(c(v));
+        let v = k(2.0).mul(x[1]);
+        pad([
+            x[0].mul(k(0.25)),
+            x[0].add(x[1]).mul(k(-1.0 / 6.0)),
+            x[0].sub(x[1]).mul(k(-1.0 / 6.0)),
+            x[0].add(v).mul(k(1.0 / 24.0)),
+            x[0].sub(v).mul(k(1.0 / 24.0)),
+            x[1],
+        ])
+    }
+    #[inline(always)]
+    unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        let k = |v: f64| S::splat(c(v));
+        let (s12, d12, s34, d34) = (
+            x[1].add(x[2]),
+            x[1].sub(x[2]),
+            x[3].add(x[4]),
+            x[3].sub(x[4]),
+        );
+        pad([
+            S::fma(
+                s34,
+                k(1.0 / 24.0),
+                S::fma(s12, k(-1.0 / 6.0), x[0].mul(k(0.25))),
+            ),
+            S::fma(d34, k(1.0 / 12.0), S::fma(d12, k(-1.0 / 6.0), x[5])),
         ])
     }
 }
@@ -689,6 +770,11 @@ mod tests {
     #[test]
     fn f4x3_matches_direct_convolution_and_its_gradients() {
         tile_matches_direct::<F4x3>(1e-12);
+    }
+
+    #[test]
+    fn f5x2_matches_direct_convolution_and_its_gradients() {
+        tile_matches_direct::<F5x2>(1e-12);
     }
 
     #[test]

@@ -104,10 +104,14 @@ macro_rules! for_each_spec {
         $m!($($pre)* wino_s2_pad, input: [16, 14, 8], out_channels: 24, kernel: 4, stride: 2,
             padding: 1, activation: Sigmoid, batch: 2, dtype: f32);
         // Kernels twice their stride at strides 4 and 3 (space-to-depth by 4 and 3): padding,
-        // ragged tiles, 32 and 72 staged channels. atari_conv1 is the unpadded stride-4 case.
+        // ragged tiles, 32 and 72 staged channels.
         $m!($($pre)* wino_s4_pad, input: [23, 21, 2], out_channels: 24, kernel: 8, stride: 4,
             padding: 3, activation: Tanh, batch: 2, dtype: f32);
         $m!($($pre)* wino_s3_k6, input: [20, 19, 8], out_channels: 16, kernel: 6, stride: 3,
+            padding: 1, activation: Relu, batch: 2, dtype: f32);
+        // F(5x5, 2x2) on space-to-depth by 4: padded, 14x13 outputs in ragged 5x5 tiles.
+        // atari_conv1 is the unpadded case (20x20 outputs in whole tiles).
+        $m!($($pre)* wino_s4_f5x2, input: [58, 56, 4], out_channels: 16, kernel: 8, stride: 4,
             padding: 1, activation: Relu, batch: 2, dtype: f32);
         // Stride-2 3x3 (F(2x2, 3x3) at stride 2): padded, and unpadded with an input row no
         // output reads.

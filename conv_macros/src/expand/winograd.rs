@@ -1,11 +1,12 @@
 //! Generated Winograd CPU code for layers with enough channels, f32 or half precision (computed
 //! in f32): F(2x2, 3x3) or F(4x4, 3x3) for stride-1 3x3 layers, F(2x2, 3x3) at stride 2 for
 //! stride-2 3x3 layers (per axis F(2, 2) over the outer taps and the middle tap as it is, input
-//! tiles `WSTEP = 2 * WM` apart), and F(3x3, 2x2) for layers whose kernel is twice their stride
-//! (the Atari network's 8x8 stride-4 first layer and 4x4 stride-2 second), which are 2x2
-//! stride-1 convolutions of the input rearranged space-to-depth (each `s x s` block of pixels
-//! one pixel of `s * s` times the channels). Per output tile and channel pair, `WN * WN`
-//! multiplies (16, 25 or 36) where the direct convolution does 36, 144 or 576.
+//! tiles `WSTEP = 2 * WM` apart), and F(3x3, 2x2) or F(5x5, 2x2) for layers whose kernel is
+//! twice their stride (the Atari network's 8x8 stride-4 first layer and 4x4 stride-2 second),
+//! which are 2x2 stride-1 convolutions of the input rearranged space-to-depth (each `s x s` block
+//! of pixels one pixel of `s * s` times the channels). Per output tile and (staged) channel
+//! pair, `WN * WN` multiplies (16, 25 or 36) where the direct convolution does 36, 100 (F(5x5,
+//! 2x2)) or 144 (F(4x4, 3x3)).
 //!
 //! The batch's output is cut into `WM x WM` tiles, taken a chunk of whole tile rows at a time (so
 //! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
@@ -110,6 +111,21 @@ impl Plan {
         }
     }
 
+    /// F(5x5, 2x2) on the same space-to-depth input: fewer multiplies where the outputs fill
+    /// 5x5 tiles better than 3x3 ones (the Atari network's 20x20 first layer: 16 tiles of 36
+    /// multiplies against 49 of 16), at the price of F(4x4, 3x3)'s transforms and rounding.
+    const fn f5x2(sd: usize) -> Plan {
+        Plan {
+            n: 6,
+            m: 5,
+            r: 2,
+            stride: 1,
+            sd,
+            variant: "F5x2",
+            min_gain: 1.5,
+        }
+    }
+
     /// Direct multiplies over Winograd multiplies for the spec's output, the outputs of
     /// ragged tiles computed for nothing counted.
     fn gain(self, spec: &Spec) -> f64 {
@@ -132,7 +148,14 @@ pub fn plan(spec: &Spec) -> Option<Plan> {
     let plan = match (spec.kernel, spec.stride) {
         ([3, 3], [1, 1]) if Plan::F4X3.gain(spec) >= 1.2 * Plan::F2X3.gain(spec) => Plan::F4X3,
         ([3, 3], [1, 1]) => Plan::F2X3,
-        ([k, kw], [sd, sw]) if k == kw && sd == sw && sd >= 2 && k == 2 * sd => Plan::f3x2(sd),
+        ([k, kw], [sd, sw]) if k == kw && sd == sw && sd >= 2 && k == 2 * sd => {
+            let (f3, f5) = (Plan::f3x2(sd), Plan::f5x2(sd));
+            if f5.gain(spec) >= 1.2 * f3.gain(spec) {
+                f5
+            } else {
+                f3
+            }
+        }
         ([3, 3], [2, 2]) => Plan::F2X3S2,
         _ => return None,
     };
@@ -1173,10 +1196,20 @@ mod tests {
             Some("F4x3")
         );
         // Atari layer 1, 8x8 stride 4: 2x2 taps over 64 staged channels, 20x20 outputs in
-        // 7x7 tiles of 3x3 (2.04x).
+        // 4x4 tiles of 5x5 (2.78x), not 7x7 tiles of 3x3 (2.04x). Layer 2's 9x9 outputs fill
+        // 3x3 tiles exactly: F(5x5, 2x2) saves no more there (2.25x either way).
         let nature1 = Spec::for_tests([84, 84, 4], 32, 8, 4, 0, 32);
-        assert_eq!(variant(&nature1), Some("F3x2"));
+        assert_eq!(variant(&nature1), Some("F5x2"));
+        assert!((Plan::f5x2(4).gain(&nature1) - 25600.0 / 9216.0).abs() < 1e-12);
         assert!((Plan::f3x2(4).gain(&nature1) - 25600.0 / 12544.0).abs() < 1e-12);
+        assert!((Plan::f5x2(2).gain(&nature2) - 2.25).abs() < 1e-12);
+        // Ragged 5x5 tiles: 14x13 outputs in 3x3 of them (11648 / 5184, 2.25x) against 5x5
+        // tiles of 3x3 (11648 / 6400, 1.82x).
+        let mut s4_ragged = Spec::for_tests([58, 56, 4], 16, 8, 4, 1, 2);
+        assert_eq!(variant(&s4_ragged), Some("F5x2"));
+        assert!((Plan::f5x2(4).gain(&s4_ragged) - 11648.0 / 5184.0).abs() < 1e-12);
+        s4_ragged.dtype = Dtype::F64;
+        assert_eq!(variant(&s4_ragged), None);
         // The suites' padded stride-4 case: 6x5 outputs in 2x2 tiles (1.875x).
         let mut s4 = Spec::for_tests([23, 21, 2], 24, 8, 4, 3, 2);
         assert_eq!(variant(&s4), Some("F3x2"));
