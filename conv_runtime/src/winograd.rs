@@ -1,10 +1,11 @@
 //! Winograd convolution: the tile transforms of the generated F(2x2, 3x3) and F(4x4, 3x3)
-//! (stride-1 3x3 layers), F(2x2, 3x3) at stride 2 (stride-2 3x3 layers) and F(3x3, 2x2)
-//! (stride-2 4x4 layers, as 2x2 convolutions of the space-to-depth input) kernels.
+//! (stride-1 3x3 layers), F(2x2, 3x3) at stride 2 (stride-2 3x3 layers), F(3x3, 2x2) and
+//! F(5x5, 2x2) (kernels twice their stride, as 2x2 convolutions of the space-to-depth input)
+//! kernels.
 //!
 //! An `m x m` output tile of an `r x r` kernel `g` over an `n x n` input tile `d`
 //! (`n = m + r - 1`, or `2 (m - 1) + r` at stride 2) is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: `n^2`
-//! multiplies per tile and channel pair instead of `m^2 r^2` (16 for 36, 36 for 144). Summed over
+//! multiplies per tile and channel pair instead of `m^2 r^2` (16 for 36, 36 for 144 or 100). Summed over
 //! input channels, the `n^2` element-wise products become matrix products (tiles x input channels times input channels x output channels), which the
 //! generated code runs with its register-blocked kernels. These are the transforms around them,
 //! one vector of channels at a time, and their adjoints, which give the gradients by the same
@@ -14,8 +15,9 @@
 //!
 //! F(2x2, 3x3), its stride-2 form and F(3x3, 2x2) only add and subtract (the halves of `G` are
 //! applied once, to the weights), so their rounding differs from the direct sum by a few units in the last
-//! place; F(4x4, 3x3) also scales by 2, 4, 5 and 8, and its error is larger (the generated
-//! layers' tests hold it to the direct kernels' tolerance). Tiles and kernels are `[S; 6]` /
+//! place; F(4x4, 3x3) and F(5x5, 2x2) also scale by powers of 2 up to 16 and by 5, 1/6 and 1/24,
+//! and their error is larger (the generated layers' tests hold it to the direct kernels'
+//! tolerance). Tiles and kernels are `[S; 6]` /
 //! `[T; 6]` arrays whatever `n`, `m` and `r`; entries past them are unused.
 
 // The transforms index the rows and columns of 4x4 matrices, as they are written on paper.
