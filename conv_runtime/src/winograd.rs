@@ -233,12 +233,7 @@ impl Variant for F4x3 {
     #[inline(always)]
     unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let (c2, c4, c8) = (S::splat(c(2.0)), S::splat(c(4.0)), S::splat(c(8.0)));
-        let (s12, d12, s34, d34) = (
-            x[1].add(x[2]),
-            x[1].sub(x[2]),
-            x[3].add(x[4]),
-            x[3].sub(x[4]),
-        );
+        let (s12, d12, s34, d34) = sums(&x);
         pad([
             x[0].add(s12).add(s34),
             S::fma(c2, d34, d12),
@@ -278,12 +273,7 @@ impl Variant for F4x3 {
     #[inline(always)]
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let k = |v: f64| S::splat(c(v));
-        let (s12, d12, s34, d34) = (
-            x[1].add(x[2]),
-            x[1].sub(x[2]),
-            x[3].add(x[4]),
-            x[3].sub(x[4]),
-        );
+        let (s12, d12, s34, d34) = sums(&x);
         pad([
             S::fma(
                 s34,
@@ -314,12 +304,7 @@ impl Variant for F5x2 {
     #[inline(always)]
     unsafe fn at<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let k = |v: f64| S::splat(c(v));
-        let (s12, d12, s34, d34) = (
-            x[1].add(x[2]),
-            x[1].sub(x[2]),
-            x[3].add(x[4]),
-            x[3].sub(x[4]),
-        );
+        let (s12, d12, s34, d34) = sums(&x);
         pad([
             x[0].add(s12).add(s34),
             S::fma(k(2.0), d34, d12),
@@ -354,19 +339,11 @@ impl Variant for F5x2 {
     }
     #[inline(always)]
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
+        // G^T's first row is F(4x4, 3x3)'s (the same points and scales).
         let k = |v: f64| S::splat(c(v));
-        let (s12, d12, s34, d34) = (
-            x[1].add(x[2]),
-            x[1].sub(x[2]),
-            x[3].add(x[4]),
-            x[3].sub(x[4]),
-        );
+        let (_, d12, _, d34) = sums(&x);
         pad([
-            S::fma(
-                s34,
-                k(1.0 / 24.0),
-                S::fma(s12, k(-1.0 / 6.0), x[0].mul(k(0.25))),
-            ),
+            F4x3::gt(x)[0],
             S::fma(d34, k(1.0 / 12.0), S::fma(d12, k(-1.0 / 6.0), x[5])),
         ])
     }
@@ -403,6 +380,18 @@ impl Variant for F2x3S2 {
     unsafe fn gt<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         pad([x[0].add(x[1]), x[3].add(x[4]), x[1].add(x[2])])
     }
+}
+
+/// `x1 + x2`, `x1 - x2`, `x3 + x4` and `x3 - x4`: the sums over the points 1 and -1, 2 and -2 that
+/// the transforms of F(4x4, 3x3) and F(5x5, 2x2) share.
+#[inline(always)]
+unsafe fn sums<S: Simd>(x: &[S; MAX]) -> (S, S, S, S) {
+    (
+        x[1].add(x[2]),
+        x[1].sub(x[2]),
+        x[3].add(x[4]),
+        x[3].sub(x[4]),
+    )
 }
 
 /// `x` followed by zeros.
