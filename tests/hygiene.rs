@@ -29,8 +29,8 @@ mod common;
 
 /// The specs reaching every kernel family: direct convolutions (input gradient scattered, and
 /// gathered), each Winograd variant (F(4x4, 3x3), F(2x2, 3x3), F(3x3, 2x2) and F(5x5, 2x2) on
-/// space-to-depth, F(2x2, 3x3) at stride 2), f64, f16, bf16, each norm, and a layer large enough for cuDNN on
-/// the CUDA device. `families!(m, extra..)` calls `m! { extra..; name: { keys }, .. }`.
+/// space-to-depth, F(2x2, 3x3) at stride 2), f64, f16, bf16, each norm, and a layer large
+/// enough for cuDNN on the CUDA device. `families!(m, extra..)` calls `m! { extra..; name: { keys }, .. }`.
 macro_rules! families {
     ($m:path $(, $($extra:tt)*)?) => {
         $m! {

@@ -17,8 +17,8 @@
 //! applied once, to the weights), so their rounding differs from the direct sum by a few units in the last
 //! place; F(4x4, 3x3) and F(5x5, 2x2) also scale by powers of 2 up to 16 and by 5, 1/6 and 1/24,
 //! and their error is larger (the generated layers' tests hold it to the direct kernels'
-//! tolerance). Tiles and kernels are `[S; 6]` /
-//! `[T; 6]` arrays whatever `n`, `m` and `r`; entries past them are unused.
+//! tolerance). Tiles and kernels are `[S; 6]` / `[T; 6]` arrays whatever `n`, `m` and `r`;
+//! entries past them are unused.
 
 // The transforms index the rows and columns of 4x4 matrices, as they are written on paper.
 #![allow(clippy::needless_range_loop)]

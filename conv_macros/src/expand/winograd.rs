@@ -46,6 +46,10 @@ use crate::spec::{Activation, Dtype, Norm, Spec};
 const MAX_TILES: usize = 96;
 const TARGET_TILES: usize = 12;
 
+/// How many times more multiplies a plan with larger tiles must save than the one with smaller
+/// tiles of the same kernel to be taken over it.
+const LARGER_TILES: f64 = 1.2;
+
 /// The Winograd algorithm a spec runs on.
 #[derive(Clone, Copy)]
 pub struct Plan {
@@ -126,6 +130,16 @@ impl Plan {
         }
     }
 
+    /// `self`, or `larger` (larger tiles of the same kernel) where it saves [`LARGER_TILES`]
+    /// times more multiplies: its transforms cost more, and its rounding error is larger.
+    fn or_larger(self, larger: Plan, spec: &Spec) -> Plan {
+        if larger.gain(spec) >= LARGER_TILES * self.gain(spec) {
+            larger
+        } else {
+            self
+        }
+    }
+
     /// Direct multiplies over Winograd multiplies for the spec's output, the outputs of
     /// ragged tiles computed for nothing counted.
     fn gain(self, spec: &Spec) -> f64 {
@@ -141,20 +155,15 @@ impl Plan {
 /// f32; f64 layers keep the direct sums), 3x3 at stride 1 or 2, or a kernel twice its stride,
 /// channel counts (of the staged input) in whole vectors of at least two, and at least 1.5x
 /// fewer multiplies than the direct kernel. Stride-1 layers take F(4x4, 3x3) where it saves
-/// 1.2x more than F(2x2, 3x3) (its transforms cost more, and its rounding error is larger).
+/// [`LARGER_TILES`] times more than F(2x2, 3x3), space-to-depth layers F(5x5, 2x2) where it
+/// does against F(3x3, 2x2).
 pub fn plan(spec: &Spec) -> Option<Plan> {
     let lanes = spec.dtype.lanes();
     let channels = |c: usize| c.is_multiple_of(lanes) && c >= 2 * lanes;
     let plan = match (spec.kernel, spec.stride) {
-        ([3, 3], [1, 1]) if Plan::F4X3.gain(spec) >= 1.2 * Plan::F2X3.gain(spec) => Plan::F4X3,
-        ([3, 3], [1, 1]) => Plan::F2X3,
+        ([3, 3], [1, 1]) => Plan::F2X3.or_larger(Plan::F4X3, spec),
         ([k, kw], [sd, sw]) if k == kw && sd == sw && sd >= 2 && k == 2 * sd => {
-            let (f3, f5) = (Plan::f3x2(sd), Plan::f5x2(sd));
-            if f5.gain(spec) >= 1.2 * f3.gain(spec) {
-                f5
-            } else {
-                f3
-            }
+            Plan::f3x2(sd).or_larger(Plan::f5x2(sd), spec)
         }
         ([3, 3], [2, 2]) => Plan::F2X3S2,
         _ => return None,
