@@ -595,6 +595,138 @@ pub unsafe fn weight_gradient<V: Variant, S: Simd>(du: [[S; MAX]; MAX]) -> [[S; 
     separable::<V, S, GT>(du, V::N, V::R)
 }
 
+/// A layer's transformed weights in the layout its matrix products read: `U[e][block][y][x]`,
+/// the vectors (`x`, `L` lanes) along output channels for the forward pass (`y` the staged
+/// input channels), along staged input channels for the input gradient (`y` the output
+/// channels), in blocks of `block` lanes' channels (the last one narrower where they do not
+/// divide).
+#[derive(Clone, Copy, Debug)]
+pub struct Packing {
+    /// Output channels (OHWI `O`).
+    pub oc: usize,
+    /// Kernel height and width (OHWI `H`, `W`), before space-to-depth.
+    pub kh: usize,
+    /// As `kh`.
+    pub kw: usize,
+    /// Input channels (OHWI `I`), before space-to-depth.
+    pub ic: usize,
+    /// Space-to-depth factor: staged channel `(dy * sd + dx) * ic + c` at staged tap `(a, b)`
+    /// is channel `c` at tap `(sd a + dy, sd b + dx)`.
+    pub sd: usize,
+    /// Vectors along output channels (the forward pass's copy), else along staged channels.
+    pub k_inner: bool,
+    /// Channels of a packed block along the vectors.
+    pub block: usize,
+}
+
+/// `G g G^T` of every channel pair of OHWI weights `w` into `out` as `p` lays it out, for the
+/// rows `ys` (staged channels if `p.k_inner`, else output channels): compiled once per variant,
+/// element type and vector width (with AVX2 and FMA where the CPU has them, portably where the
+/// `portable` feature or the target wants), not once per layer: the packing runs once per
+/// parameter change, and these loops, inlined into every layer, had been a quarter of a
+/// network's build. The operations are the ones the layer would run itself, in the same order.
+///
+/// # Safety
+/// The rows `ys` of `out` are the caller's alone while it runs. Channel counts are multiples
+/// of `L`; `w` and `out` hold the layer's weights and their transforms (checked).
+pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
+    p: &Packing,
+    w: &[T],
+    out: crate::cpu::Shared<'_, T::Acc>,
+    ys: Range<usize>,
+) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2,fma")]
+        unsafe fn pack_avx2<V: Variant, T: crate::Element, const L: usize>(
+            p: &Packing,
+            w: &[T],
+            out: crate::cpu::Shared<'_, T::Acc>,
+            ys: Range<usize>,
+        ) {
+            pack_on::<V, T, L>(p, w, out, ys)
+        }
+        if crate::simd::avx2_fma() {
+            return pack_avx2::<V, T, L>(p, w, out, ys);
+        }
+    }
+    #[cfg(not(all(
+        target_arch = "x86_64",
+        target_feature = "avx2",
+        target_feature = "fma"
+    )))]
+    {
+        #[cfg(any(feature = "portable", not(target_arch = "x86_64")))]
+        {
+            #[inline(never)]
+            unsafe fn pack_portable<V: Variant, T: crate::Element, const L: usize>(
+                p: &Packing,
+                w: &[T],
+                out: crate::cpu::Shared<'_, T::Acc>,
+                ys: Range<usize>,
+            ) {
+                pack_on::<V, T, L>(p, w, out, ys)
+            }
+            pack_portable::<V, T, L>(p, w, out, ys)
+        }
+        #[cfg(not(any(feature = "portable", not(target_arch = "x86_64"))))]
+        crate::simd::no_kernels()
+    }
+}
+
+/// [`pack`]'s loops, inlined into its two instantiations.
+// The lanes are filled by index, as the generated kernels do.
+#[allow(clippy::needless_range_loop)]
+#[inline(always)]
+unsafe fn pack_on<V: Variant, T: crate::Element, const L: usize>(
+    p: &Packing,
+    w: &[T],
+    out: crate::cpu::Shared<'_, T::Acc>,
+    ys: Range<usize>,
+) {
+    use crate::Element as _;
+    type Vector<T, const L: usize> = crate::simd::Lanes<<T as crate::Element>::Acc, L>;
+    let wic = p.sd * p.sd * p.ic;
+    let window = p.kh * p.kw * p.ic;
+    let (xs, y_len) = if p.k_inner { (p.oc, wic) } else { (wic, p.oc) };
+    assert!(
+        xs % L == 0 && w.len() >= p.oc * window && out.len() >= V::N * V::N * wic * p.oc,
+        "winograd::pack: weights or packed copy too short for {p:?}"
+    );
+    for y in ys {
+        debug_assert!(y < y_len);
+        for x0 in (0..xs).step_by(L) {
+            // Each lane's tap (0, 0) in `w`; staged tap (a, b) is `(a kw + b) sd ic` further.
+            let mut at = [0; L];
+            for i in 0..L {
+                let (k, c) = if p.k_inner { (x0 + i, y) } else { (y, x0 + i) };
+                let (block, c) = (c / p.ic, c % p.ic);
+                at[i] = k * window + ((block / p.sd) * p.kw + block % p.sd) * p.ic + c;
+            }
+            let mut g = [[Vector::<T, L>::zero(); MAX]; MAX];
+            for a in 0..V::R {
+                for b in 0..V::R {
+                    let off = (a * p.kw + b) * p.sd * p.ic;
+                    let mut taps = [T::Acc::zero(); L];
+                    for i in 0..L {
+                        taps[i] = w[at[i] + off].to_acc();
+                    }
+                    g[a][b] = Vector::<T, L>::load(taps.as_ptr());
+                }
+            }
+            let u = weight::<V, Vector<T, L>>(g);
+            // Rows of `L` are what the packed copies hold contiguously: written one value at
+            // a time, the element planes (16 KiB apart) ran 8x slower.
+            let first = x0 / p.block * p.block;
+            let width = p.block.min(xs - first);
+            for e in 0..V::N * V::N {
+                let row = out.part(e * xs * y_len + y_len * first + y * width + x0 - first, L);
+                u[e / V::N][e % V::N].store(row.as_mut_ptr());
+            }
+        }
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -771,5 +903,67 @@ mod tests {
     #[test]
     fn f2x3_stride_2_matches_direct_convolution_and_its_gradients() {
         tile_matches_direct::<F2x3S2>(1e-12);
+    }
+
+    /// Every value [`pack`] writes, against `G g G^T` of its one channel pair gathered
+    /// straight from the OHWI weights, bit for bit: both layouts, space-to-depth, and blocks
+    /// that do not divide the channels.
+    fn pack_matches_one_pair_at_a_time<V: Variant>(sd: usize, ic: usize, oc: usize, block: usize) {
+        let (kh, kw) = (sd * V::R, sd * V::R);
+        let (window, wic, elems) = (kh * kw * ic, sd * sd * ic, V::N * V::N);
+        let w = values(7, oc * window);
+        for k_inner in [true, false] {
+            let p = Packing {
+                oc,
+                kh,
+                kw,
+                ic,
+                sd,
+                k_inner,
+                block,
+            };
+            let mut out = vec![f64::NAN; elems * wic * oc];
+            let (xs, ys) = if k_inner { (oc, wic) } else { (wic, oc) };
+            // Two callers' rows, as two workers would split them.
+            let shared = crate::cpu::Shared::new(&mut out);
+            unsafe {
+                pack::<V, f64, L>(&p, &w, shared, 0..ys / 2);
+                pack::<V, f64, L>(&p, &w, shared, ys / 2..ys);
+            }
+            for k in 0..oc {
+                for c in 0..wic {
+                    let (block_c, c0) = (c / ic, c % ic);
+                    let (dy, dx) = (block_c / sd, block_c % sd);
+                    let mut g = [[one(0.0); MAX]; MAX];
+                    for a in 0..V::R {
+                        for b in 0..V::R {
+                            g[a][b] =
+                                one(w[k * window + ((sd * a + dy) * kw + sd * b + dx) * ic + c0]);
+                        }
+                    }
+                    let u = unsafe { weight::<V, One>(g) };
+                    let (x, y) = if k_inner { (k, c) } else { (c, k) };
+                    let first = x / block * block;
+                    let width = block.min(xs - first);
+                    for e in 0..elems {
+                        let got = out[e * xs * ys + ys * first + y * width + x - first];
+                        let want = scalar(u[e / V::N][e % V::N]);
+                        assert_eq!(
+                            got.to_bits(),
+                            want.to_bits(),
+                            "k_inner {k_inner}, pair ({k}, {c}), element {e}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn pack_lays_out_every_transformed_pair() {
+        pack_matches_one_pair_at_a_time::<F4x3>(1, 8, 12, 8);
+        pack_matches_one_pair_at_a_time::<F3x2>(2, 2, 8, 8);
+        pack_matches_one_pair_at_a_time::<F5x2>(4, 1, 4, 4);
+        pack_matches_one_pair_at_a_time::<F2x3S2>(1, 4, 8, 12);
     }
 }

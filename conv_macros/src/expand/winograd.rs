@@ -268,15 +268,6 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
 /// The forward convolution (`conv`, the same signature as the direct kernel's), the staging
 /// and the packing.
 pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
-    let taps_array = array_by_loop(
-        quote!(__L),
-        quote!(0.0),
-        "i",
-        quote!({
-            let (k, c) = pair(outer, inner + i);
-            w[k * __WINDOW + __wino_tap(a, b, c)].to_acc()
-        }),
-    );
     let rt = rt();
     let layer = &spec.ident;
     let (oc_blk, ic_blk) = (
@@ -287,26 +278,10 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
     let layout = layout_id(spec, 3);
     let gemm = product("__wino_gemm", &oc_blk, quote!(__WIC), quote!(__OC));
     let tiles = gemm_tiles(spec, &[&oc_blk, &ic_blk]);
-    let oc_block = lit(oc_blk.v * oc_blk.lanes);
     let helpers = helpers();
-    // OHWI weights -> `U[e][block of OC][staged channel][lanes]`, then the biases. Once per
-    // parameter change.
-    let pack = dispatched(
-        spec.dtype,
-        "pack_wino",
-        TokenStream::new(),
-        TokenStream::new(),
-        quote!(w: &[__T], out: #rt::Shared<'_, __A>, channels: ::core::ops::Range<usize>),
-        quote!(w, out, channels),
-        quote! {
-            __wino_weights(w, true, channels, |e, k, c, values| {
-                let first = k / #oc_block * #oc_block;
-                let width = if __OC - first < #oc_block { __OC - first } else { #oc_block };
-                // The rows of staged channel `c` are this worker's alone.
-                out.part(e * __WIC * __OC + __WIC * first + c * width + (k - first), __L).copy_from_slice(values);
-            });
-        },
-    );
+    // OHWI weights -> `U[e][block of OC][staged channel][lanes]` (the biases follow, copied by
+    // the caller). Once per parameter change.
+    let pack = packer("__pack_wino", true, oc_blk.v * oc_blk.lanes);
     let kernel = dispatched(
         spec.dtype,
         "wino_tiles",
@@ -537,52 +512,36 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
             ((__SD * a + dy) * __KW + __SD * b + dx) * __IC + c
         }
 
-        /// The transformed weights `G g G^T` of every channel pair (staged channels), `L`
-        /// pairs at a time (one vector) along output channels if `k_inner`, else along staged
-        /// channels: `put(e, k, c, values)` gets element `e` of the pairs `(k, c)` on. Rows of
-        /// `L` are what the packed copies hold contiguously; written one value at a time, the
-        /// element planes 16 KiB apart ran 8x slower. Inlined into the packers' AVX2
-        /// instantiations, where the portable vectors compile to whole registers.
-        #[inline(always)]
-        fn __wino_weights(
-            w: &[__T],
-            k_inner: bool,
-            outers: ::core::ops::Range<usize>,
-            mut put: impl ::core::ops::FnMut(usize, usize, usize, &[__A; __L]),
-        ) {
-            use #rt::{Element as _, Simd as _};
-            type __Lanes = #rt::simd::Lanes<__A, { __L }>;
-            const __MAX: usize = #rt::winograd::MAX;
-            let pair = |outer: usize, inner: usize| if k_inner { (inner, outer) } else { (outer, inner) };
-            for outer in outers {
-                for inner in (0..if k_inner { __OC } else { __WIC }).step_by(__L) {
-                    // SAFETY: portable vectors need no CPU feature; every pointer is to `L`
-                    // elements.
-                    unsafe {
-                        let mut g = [[__Lanes::zero(); __MAX]; __MAX];
-                        for a in 0..__WR {
-                            for b in 0..__WR {
-                                let taps: [__A; __L] = #taps_array;
-                                g[a][b] = __Lanes::load(taps.as_ptr());
-                            }
-                        }
-                        let u = #rt::winograd::weight::<__WV, __Lanes>(g);
-                        let (k, c) = pair(outer, inner);
-                        for e in 0..__ELEMS {
-                            let mut row = [0.0; __L];
-                            u[e / __WN][e % __WN].store(row.as_mut_ptr());
-                            put(e, k, c, &row);
-                        }
-                    }
-                }
-            }
-        }
-
         #pack
 
         #helpers
         #gemm
         #(#tiles)*
+    }
+}
+
+/// `name(w, out, rows)`: the runtime's packer for this layer's layout, vectors along output
+/// channels if `k_inner` (the forward pass's copy) else along staged channels (the input
+/// gradient's), in blocks of `block` channels.
+fn packer(name: &str, k_inner: bool, block: usize) -> TokenStream {
+    let rt = rt();
+    let (name, block) = (format_ident!("{}", name), lit(block));
+    quote! {
+        /// # Safety
+        /// As the runtime's `winograd::pack`: the rows `ys` of `out` are the caller's alone.
+        #[inline(always)]
+        unsafe fn #name(w: &[__T], out: #rt::Shared<'_, __A>, ys: ::core::ops::Range<usize>) {
+            const __PACKING: #rt::winograd::Packing = #rt::winograd::Packing {
+                oc: __OC,
+                kh: __KH,
+                kw: __KW,
+                ic: __IC,
+                sd: __SD,
+                k_inner: #k_inner,
+                block: #block,
+            };
+            #rt::winograd::pack::<__WV, __T, { __L }>(&__PACKING, w, out, ys)
+        }
     }
 }
 
@@ -824,24 +783,8 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
     let data_product = product("__wino_data_product", &ic_blk, quote!(__OC), quote!(__WIC));
     let (wtiles, weight_product) = weight_tiles(spec, plan, &oc_blk);
     let layout = layout_id(spec, 4);
-    let ic_block = lit(ic_blk.v * ic_blk.lanes);
     // OHWI weights -> `U[e][block of staged channels][oc][lanes]`, the input gradient's order.
-    let pack_data = dispatched(
-        spec.dtype,
-        "pack_wino_data",
-        TokenStream::new(),
-        TokenStream::new(),
-        quote!(w: &[__T], out: #rt::Shared<'_, __A>, channels: ::core::ops::Range<usize>),
-        quote!(w, out, channels),
-        quote! {
-            __wino_weights(w, false, channels, |e, k, c, values| {
-                let first = c / #ic_block * #ic_block;
-                let width = if __WIC - first < #ic_block { __WIC - first } else { #ic_block };
-                // The rows of output channel `k` are this worker's alone.
-                out.part(e * __WIC * __OC + __OC * first + k * width + (c - first), __L).copy_from_slice(values);
-            });
-        },
-    );
+    let pack_data = packer("__pack_wino_data", false, ic_blk.v * ic_blk.lanes);
     // Without a norm the activation's gradient needs nothing from the whole batch: each chunk
     // computes its own `dz` (and bias gradient) in cache instead of a pass over the batch first.
     let fused = spec.norm == Norm::None;
