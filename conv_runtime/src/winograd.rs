@@ -1,7 +1,8 @@
 //! Winograd convolution: the tile transforms of the generated F(2x2, 3x3) and F(4x4, 3x3)
 //! (stride-1 3x3 layers), F(2x2, 3x3) at stride 2 (stride-2 3x3 layers), F(3x3, 2x2) and
 //! F(5x5, 2x2) (kernels twice their stride, as 2x2 convolutions of the space-to-depth input)
-//! kernels.
+//! kernels, and the packing of their transformed weights ([`pack`]), compiled once per variant
+//! rather than in every layer.
 //!
 //! An `m x m` output tile of an `r x r` kernel `g` over an `n x n` input tile `d`
 //! (`n = m + r - 1`, or `2 (m - 1) + r` at stride 2) is `Y = A^T [(G g G^T) * (B^T d B)] A`, with `*` element-wise: `n^2`
