@@ -600,23 +600,35 @@ fn helpers() -> TokenStream {
 }
 
 /// `name::<S>(a, w, out, count)`: for each element, `out[e] = a[e] . w[e]` over the chunk's
-/// first `count` rows rounded up to whole register tiles, `a` rows `K` wide, `w[e]` packed
-/// `[block][K][lanes]` over `N` columns (`blk`).
+/// first `count` rows, `a` rows `K` wide, `w[e]` packed `[block][K][lanes]` over `N` columns
+/// (`blk`): whole register tiles of `p` rows, then one of the rows left. Rounded up to whole
+/// tiles instead, a single image's few tiles (one action) computed up to a third more rows
+/// than it has.
 fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenStream {
     let rt = rt();
     let name = format_ident!("{}", name);
+    let tile = |rows: usize| {
+        let rows_lit = lit(rows);
+        let rows_array = array_by_loop(
+            quote!(#rows_lit),
+            quote!(::core::ptr::null::<__A>()),
+            "i",
+            quote!(ae.add((row + i) * #k)),
+        );
+        let calls = blk.calls(
+            &format!("wgemm{rows}"),
+            true,
+            |tile, first| quote!(#tile::<__S, { #k }, { #n }>(&rows, we.add(#k * #first), out.add(#first));),
+        );
+        quote! {{
+            let rows: [*const __A; #rows_lit] = #rows_array;
+            let out = oe.add(row * #n);
+            #calls
+        }}
+    };
     let p = lit(blk.p);
-    let rows_array = array_by_loop(
-        quote!(#p),
-        quote!(::core::ptr::null::<__A>()),
-        "i",
-        quote!(ae.add((tile * #p + i) * #k)),
-    );
-    let calls = blk.calls(
-        &format!("wgemm{}", blk.p),
-        true,
-        |tile, first| quote!(#tile::<__S, { #k }, { #n }>(&rows, we.add(#k * #first), out.add(#first));),
-    );
+    let full = tile(blk.p);
+    let (left, tiles): (Vec<_>, Vec<_>) = (1..blk.p).map(|r| (lit(r), tile(r))).unzip();
     quote! {
         #[inline(always)]
         unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
@@ -624,10 +636,14 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
         ) {
             for e in 0..__ELEMS {
                 let (ae, we, oe) = (a.add(e * __WCT * #k), w.add(e * #k * #n), o.add(e * __WCT * #n));
-                for tile in 0..count.div_ceil(#p) {
-                    let rows: [*const __A; #p] = #rows_array;
-                    let out = oe.add(tile * #p * #n);
-                    #calls
+                let mut row = 0;
+                while row + #p <= count {
+                    #full
+                    row += #p;
+                }
+                match count - row {
+                    #(#left => #tiles)*
+                    _ => {}
                 }
             }
         }
@@ -635,15 +651,17 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
 }
 
 /// `wgemm{p}_{nv}_{lanes}::<S, K, N>(rows, w, out)`: `p` rows times `nv` vectors of a packed
-/// block, reduced over `K`, stored into rows `N` apart. Every row count and block shape the
-/// products use, once.
+/// block, reduced over `K`, stored into rows `N` apart. Every row count (up to the blockings'
+/// `p`, for the rows left after whole tiles) and block shape the products use, once.
 fn gemm_tiles(spec: &Spec, blockings: &[&Blocking]) -> Vec<TokenStream> {
     let rt = rt();
     let mut kinds: Vec<(usize, usize, usize)> = Vec::new();
     for blk in blockings {
-        for (nv, last) in blk.kinds() {
-            if !kinds.contains(&(blk.p, nv, last)) {
-                kinds.push((blk.p, nv, last));
+        for p in 1..=blk.p {
+            for (nv, last) in blk.kinds() {
+                if !kinds.contains(&(p, nv, last)) {
+                    kinds.push((p, nv, last));
+                }
             }
         }
     }
