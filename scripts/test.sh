@@ -33,6 +33,9 @@ run() {
 run cargo test --workspace --release --features $features
 # The numeric suites again with the portable kernels (CPUs without AVX2+FMA).
 CONV2D_SIMD=portable run cargo test --release --features $features --test conformance_training --test specs_forward --test network
+# The suites with Winograd layers on AVX2 alone: where the CPU has AVX-512, the default runs
+# take its Winograd products (conv_runtime::wide) and would leave the AVX2 ones untested.
+CONV2D_SIMD=avx2 run cargo test --release --features $features --test specs_forward --test network
 # A build without the portable kernels (`--no-default-features`, about 0.6 of the build time): a CPU
 # without AVX2+FMA (stood in for by CONV2D_SIMD=portable) is refused with a clear error.
 run cargo test --release --no-default-features --features $features --test portable_feature

@@ -45,6 +45,8 @@ pub mod simd;
 mod team;
 mod tensor;
 #[doc(hidden)]
+pub mod wide;
+#[doc(hidden)]
 pub mod winograd;
 
 pub use conv_macros::{conv2d, network};
@@ -144,6 +146,7 @@ pub mod __private {
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
     pub use crate::simd::{self, avx2_fma, Simd};
+    pub use crate::wide;
     pub use crate::winograd;
     pub use crate::{
         bf16, f16, Cpu, Element, Error, Matrix, Mode, NetworkDevice, ParamTensor, Parameters, Real,

@@ -104,6 +104,21 @@ pub trait Simd: Copy {
         std::ptr::copy_nonoverlapping(tmp.as_ptr(), p, n);
     }
 
+    /// Runs a Winograd chunk's products ([`crate::wide`]) on wider vectors than `Self`'s where
+    /// the CPU has them: `true` if it did. The same sums in the same order, so the same bits.
+    /// # Safety
+    /// As [`crate::wide::product`].
+    #[inline(always)]
+    unsafe fn wide_product(
+        _p: &crate::wide::Product,
+        _a: *const Self::Elem,
+        _w: *const Self::Elem,
+        _o: *mut Self::Elem,
+        _count: usize,
+    ) -> bool {
+        false
+    }
+
     /// Asks for the cache line holding `p` ahead of its use (`prefetcht0` on x86_64, nothing
     /// elsewhere): for kernels whose next lines are a page or more apart, which the hardware's
     /// stream prefetchers do not follow.
@@ -136,6 +151,22 @@ pub fn avx2_fma() -> bool {
     *CHOICE.get_or_init(|| {
         let portable = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "portable");
         !portable && detected()
+    })
+}
+
+/// Whether the Winograd layers' products run on AVX-512 ([`crate::wide`]): where the AVX2
+/// kernels run and the CPU has AVX-512F, unless `CONV2D_SIMD=avx2` asks for AVX2 alone (to
+/// compare). Decided once per process.
+#[inline]
+pub fn avx512() -> bool {
+    static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *CHOICE.get_or_init(|| {
+        let avx2 = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "avx2");
+        #[cfg(target_arch = "x86_64")]
+        let detected = std::arch::is_x86_feature_detected!("avx512f");
+        #[cfg(not(target_arch = "x86_64"))]
+        let detected = false;
+        !avx2 && avx2_fma() && detected
     })
 }
 
@@ -280,7 +311,7 @@ mod x86 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
          $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
      $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $sum:ident, $sums:ident,
-     $masks:ident) => {
+     $masks:ident, $wide:ident) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -319,6 +350,16 @@ mod x86 {
                 #[inline(always)]
                 unsafe fn max(self, o: Self) -> Self {
                     Self($max(self.0, o.0))
+                }
+                #[inline(always)]
+                unsafe fn wide_product(
+                    p: &crate::wide::Product,
+                    a: *const $elem,
+                    w: *const $elem,
+                    o: *mut $elem,
+                    count: usize,
+                ) -> bool {
+                    $wide(p, a, w, o, count)
                 }
                 // Masked moves touch only the first `n` lanes' memory.
                 #[inline(always)]
@@ -551,7 +592,8 @@ mod x86 {
         _mm256_castsi256_ps,
         sum_f32,
         sums_f32,
-        MASKS_32
+        MASKS_32,
+        wide_f32
     );
     avx2!(
         Avx2F64,
@@ -573,8 +615,33 @@ mod x86 {
         _mm256_castsi256_pd,
         sum_f64,
         sums_f64,
-        MASKS_64
+        MASKS_64,
+        no_wide
     );
+
+    /// The f32 products on AVX-512 where it runs.
+    #[inline(always)]
+    unsafe fn wide_f32(
+        p: &crate::wide::Product,
+        a: *const f32,
+        w: *const f32,
+        o: *mut f32,
+        count: usize,
+    ) -> bool {
+        crate::wide::product(p, a, w, o, count)
+    }
+
+    /// f64 layers have no Winograd products.
+    #[inline(always)]
+    unsafe fn no_wide(
+        _: &crate::wide::Product,
+        _: *const f64,
+        _: *const f64,
+        _: *mut f64,
+        _: usize,
+    ) -> bool {
+        false
+    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

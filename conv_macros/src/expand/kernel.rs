@@ -261,8 +261,9 @@ pub fn avx2_target() -> TokenStream {
 /// `args` their names.
 ///
 /// No AVX-512 instantiation: one of every AVX2 kernel with AVX-512VL's 32 registers ran no
-/// faster on any benchmarked layer or network (`CONV2D_SIMD=avx2` beside the default, on Zen 4),
-/// and was one more copy of every kernel to compile.
+/// faster on any benchmarked layer or network (on Zen 4), and was one more copy of every kernel
+/// to compile. Only the Winograd products, which read 16 columns side by side, take AVX-512's
+/// wider registers, from a function compiled once in the runtime (`conv_runtime::wide`).
 pub fn dispatched(
     dtype: Dtype,
     name: &str,

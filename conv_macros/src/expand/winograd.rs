@@ -603,7 +603,8 @@ fn helpers() -> TokenStream {
 /// first `count` rows, `a` rows `K` wide, `w[e]` packed `[block][K][lanes]` over `N` columns
 /// (`blk`): whole register tiles of `p` rows, then one of the rows left. Rounded up to whole
 /// tiles instead, a single image's few tiles (one action) computed up to a third more rows
-/// than it has.
+/// than it has. On a CPU with AVX-512 the AVX2 instantiation hands the chunk to
+/// `conv_runtime::wide` instead: the same sums on vectors twice as wide.
 fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenStream {
     let rt = rt();
     let name = format_ident!("{}", name);
@@ -627,6 +628,7 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
         }}
     };
     let p = lit(blk.p);
+    let block = lit(blk.v * blk.lanes);
     let full = tile(blk.p);
     let (left, tiles): (Vec<_>, Vec<_>) = (1..blk.p).map(|r| (lit(r), tile(r))).unzip();
     quote! {
@@ -634,6 +636,10 @@ fn product(name: &str, blk: &Blocking, k: TokenStream, n: TokenStream) -> TokenS
         unsafe fn #name<__S: #rt::Simd<Elem = __A>>(
             a: *const __A, w: *const __A, o: *mut __A, count: usize,
         ) {
+            let wide = #rt::wide::Product { elems: __ELEMS, rows: __WCT, k: #k, n: #n, block: #block };
+            if __S::wide_product(&wide, a, w, o, count) {
+                return;
+            }
             for e in 0..__ELEMS {
                 let (ae, we, oe) = (a.add(e * __WCT * #k), w.add(e * #k * #n), o.add(e * __WCT * #n));
                 let mut row = 0;

@@ -1,0 +1,105 @@
+//! Where the CPU has AVX-512, the Winograd layers' products run on it (`conv_runtime::wide`),
+//! and must give the AVX2 kernels' bits: the same result on every x86-64 CPU with AVX2. Each
+//! Winograd variant's evaluate, training forward and backward pass (whose input gradient is a
+//! product too) run here, and again in a copy of this test run with `CONV2D_SIMD=avx2` (the
+//! choice is made once per process); every value must match bit for bit. (A test binary of its
+//! own: the copy is this binary, run with a filter.)
+
+use conv_runtime::prelude::*;
+
+/// Where the copy run with AVX2 alone writes its bits.
+const OUT_VAR: &str = "CONV2D_WIDE_TEST_OUT";
+
+/// `bits_of_specs! { Name (Input, Output, State, Grads, batch): { spec }, .. }` declares each
+/// layer and `all_bits()`: every layer's evaluate output, forward output, input gradient and
+/// parameter gradients, from fixed parameters and inputs, as bits, in order.
+macro_rules! bits_of_specs {
+    ($($name:ident ($input:ident, $output:ident, $state:ident, $grads:ident, $b:literal):
+        { $($spec:tt)* },)*) => {
+        $(conv_runtime::conv2d! { struct $name { $($spec)*, batch: $b } })*
+
+        fn all_bits() -> Vec<u32> {
+            let mut bits: Vec<u32> = Vec::new();
+            $({
+                let mut cpu = Cpu::with_threads(1).expect("a CPU device");
+                let mut rng = Rng::seed_from_u64(11);
+                let mut layer = $name::new(&mut rng);
+                let x = $input::<$b>::from_fn(|_| rng.uniform(-1.0, 1.0) as f32);
+                let mut y = $output::<$b>::zeros();
+                layer.evaluate(&mut cpu, &x, &mut y).expect("evaluate");
+                let mut state = $state::new();
+                layer.forward(&mut cpu, &x, &mut state, Mode::Train).expect("forward");
+                let dy = $output::<$b>::from_fn(|_| rng.uniform(-1.0, 1.0) as f32);
+                let mut dx = $input::<$b>::zeros();
+                let mut grads = $grads::zeros();
+                layer
+                    .backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train)
+                    .expect("backward_full");
+                for part in [
+                    y.as_slice(),
+                    state.output().as_slice(),
+                    dx.as_slice(),
+                    grads.weights.as_slice(),
+                    grads.biases.as_slice(),
+                ] {
+                    bits.extend(part.iter().map(|v| v.to_bits()));
+                }
+            })*
+            bits
+        }
+    };
+}
+
+bits_of_specs! {
+    F4x3 (F4x3Input, F4x3Output, F4x3State, F4x3Grads, 3): { input: [10, 9, 16],
+        out_channels: 16, kernel: 3, padding: 1, activation: Relu },
+    F4x3Wide (F4x3WideInput, F4x3WideOutput, F4x3WideState, F4x3WideGrads, 2): {
+        input: [12, 12, 32], out_channels: 48, kernel: 3, activation: Gelu },
+    F2x3 (F2x3Input, F2x3Output, F2x3State, F2x3Grads, 2): { input: [6, 11, 24],
+        out_channels: 40, kernel: 3, padding: [1, 0], activation: FastTanh },
+    F3x2 (F3x2Input, F3x2Output, F3x2State, F3x2Grads, 2): { input: [20, 20, 4],
+        out_channels: 16, kernel: 4, stride: 2, activation: Relu },
+    F5x2 (F5x2Input, F5x2Output, F5x2State, F5x2Grads, 1): { input: [22, 22, 4],
+        out_channels: 24, kernel: 4, stride: 2, activation: Relu },
+    F2x3S2 (F2x3S2Input, F2x3S2Output, F2x3S2State, F2x3S2Grads, 2): { input: [16, 16, 16],
+        out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu },
+}
+
+#[test]
+fn winograd_layers_give_the_same_bits_on_avx512_and_avx2() {
+    let bits = all_bits();
+    if let Some(path) = std::env::var_os(OUT_VAR) {
+        // The copy: write, and let the parent compare.
+        let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
+        std::fs::write(path, bytes).expect("writing the AVX2 run's bits");
+        return;
+    }
+    if !conv_runtime::simd::avx512() {
+        eprintln!(
+            "the Winograd products do not run on AVX-512 here (no AVX-512F, or CONV2D_SIMD \
+             asks for narrower kernels): both runs would take the AVX2 products"
+        );
+    }
+    let out = std::env::temp_dir().join(format!("conv2d-wide-{}.bin", std::process::id()));
+    let exe = std::env::current_exe().expect("this test binary");
+    let status = std::process::Command::new(exe)
+        .args([
+            "--exact",
+            "winograd_layers_give_the_same_bits_on_avx512_and_avx2",
+            "--test-threads=1",
+        ])
+        .env("CONV2D_SIMD", "avx2")
+        .env(OUT_VAR, &out)
+        .status()
+        .expect("running this test again with CONV2D_SIMD=avx2");
+    assert!(status.success(), "the AVX2 run failed: {status}");
+    let bytes = std::fs::read(&out).expect("the AVX2 run's bits");
+    let _ = std::fs::remove_file(&out);
+    let avx2: Vec<u32> = bytes
+        .chunks_exact(4)
+        .map(|b| u32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect();
+    assert_eq!(avx2.len(), bits.len());
+    let differ = bits.iter().zip(&avx2).filter(|(a, b)| a != b).count();
+    assert_eq!(differ, 0, "{differ} of {} values differ", bits.len());
+}
