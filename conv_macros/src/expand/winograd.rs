@@ -186,8 +186,8 @@ fn weight_parts(spec: &Spec, plan: Plan) -> usize {
     1 << most.ilog2()
 }
 
-/// Tile rows per chunk: the fewest rows computed for nothing by the `P`-row register tiles,
-/// then the chunk nearest `TARGET_TILES`.
+/// Tile rows per chunk: the fewest rows missing from the products' last register tile of `P`
+/// rows (a narrower tile, run for the rows left), then the chunk nearest `TARGET_TILES`.
 fn chunk_rows(spec: &Spec, plan: Plan) -> usize {
     let (th, tw) = (spec.out_h().div_ceil(plan.m), spec.out_w().div_ceil(plan.m));
     let p = Blocking::new(spec.dtype, spec.out_channels).p;
@@ -203,9 +203,8 @@ fn chunk_rows(spec: &Spec, plan: Plan) -> usize {
 }
 
 /// Tile geometry as constants: `WM x WM` output tiles, `WTH x WTW` of them per image, the
-/// staged `WH x WW x WIC` image (space-to-depth by `SD`), chunks of `WROWS` tile rows whose
-/// transforms have `WCT` rows (room for the last register tile's rows past the chunk: every
-/// row count the products run in is a divisor of 12); `WV` the runtime's variant.
+/// staged `WH x WW x WIC` image (space-to-depth by `SD`), chunks of `WROWS` tile rows, `WCT`
+/// tiles each (the rows of a chunk's transforms and products); `WV` the runtime's variant.
 fn constants(spec: &Spec, plan: Plan) -> TokenStream {
     let rt = rt();
     let (m, sd) = (plan.m, plan.sd);
@@ -240,7 +239,7 @@ fn constants(spec: &Spec, plan: Plan) -> TokenStream {
         // Staged images a chunk can touch: each is staged (and its input gradient begun) when
         // a chunk first reaches it, in slot `image % SLOTS`, so the staged copies stay in cache.
         ("SLOTS", slots),
-        ("WCT", (rows * tw).next_multiple_of(12)),
+        ("WCT", rows * tw),
         ("ELEMS", plan.n * plan.n),
         ("IMAGE", spec.in_h() * spec.in_w() * spec.in_c()),
         ("STAGED_IMAGE", wh * ww * wic),
