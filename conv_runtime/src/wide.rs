@@ -31,8 +31,8 @@ pub struct Product {
 /// Runs `p`'s products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
 ///
 /// # Safety
-/// `a` holds `p.elems * p.rows * p.k` values, `w` `p.elems * p.k * p.n`, `o` `p.elems * p.rows
-/// * p.n`; `count <= p.rows`; `p.n` and `p.block` are multiples of 8.
+/// `a` holds `p.elems * p.rows * p.k` values, `w` holds `p.elems * p.k * p.n` and `o` holds
+/// `p.elems * p.rows * p.n`; `count <= p.rows`; `p.n` and `p.block` are multiples of 8.
 #[doc(hidden)]
 #[inline]
 pub unsafe fn product(
