@@ -148,10 +148,7 @@ pub fn avx2_fma() -> bool {
         return true;
     }
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
-    *CHOICE.get_or_init(|| {
-        let portable = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "portable");
-        !portable && detected()
-    })
+    *CHOICE.get_or_init(|| !asked("portable") && detected())
 }
 
 /// Whether the Winograd layers' products run on AVX-512 ([`crate::wide`]): where the AVX2
@@ -161,13 +158,17 @@ pub fn avx2_fma() -> bool {
 pub fn avx512() -> bool {
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
-        let avx2 = std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == "avx2");
         #[cfg(target_arch = "x86_64")]
         let detected = std::arch::is_x86_feature_detected!("avx512f");
         #[cfg(not(target_arch = "x86_64"))]
         let detected = false;
-        !avx2 && avx2_fma() && detected
+        !asked("avx2") && avx2_fma() && detected
     })
+}
+
+/// Whether `CONV2D_SIMD` asks for `value`'s kernels.
+fn asked(value: &str) -> bool {
+    std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == value)
 }
 
 /// Whether generated kernels can run on this CPU: `Ok` where they have a portable copy (the
@@ -311,7 +312,7 @@ mod x86 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
          $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
      $maskload:ident, $maskstore:ident, $blendv:ident, $cast:ident, $sum:ident, $sums:ident,
-     $masks:ident, $wide:ident) => {
+     $masks:ident $(, $wide:path)?) => {
             impl Simd for $ty {
                 type Elem = $elem;
                 const LANES: usize = $lanes;
@@ -351,16 +352,18 @@ mod x86 {
                 unsafe fn max(self, o: Self) -> Self {
                     Self($max(self.0, o.0))
                 }
-                #[inline(always)]
-                unsafe fn wide_product(
-                    p: &crate::wide::Product,
-                    a: *const $elem,
-                    w: *const $elem,
-                    o: *mut $elem,
-                    count: usize,
-                ) -> bool {
-                    $wide(p, a, w, o, count)
-                }
+                $(
+                    #[inline(always)]
+                    unsafe fn wide_product(
+                        p: &crate::wide::Product,
+                        a: *const $elem,
+                        w: *const $elem,
+                        o: *mut $elem,
+                        count: usize,
+                    ) -> bool {
+                        $wide(p, a, w, o, count)
+                    }
+                )?
                 // Masked moves touch only the first `n` lanes' memory.
                 #[inline(always)]
                 unsafe fn load_partial(p: *const $elem, n: usize) -> Self {
@@ -593,7 +596,7 @@ mod x86 {
         sum_f32,
         sums_f32,
         MASKS_32,
-        wide_f32
+        crate::wide::product
     );
     avx2!(
         Avx2F64,
@@ -615,33 +618,8 @@ mod x86 {
         _mm256_castsi256_pd,
         sum_f64,
         sums_f64,
-        MASKS_64,
-        no_wide
+        MASKS_64
     );
-
-    /// The f32 products on AVX-512 where it runs.
-    #[inline(always)]
-    unsafe fn wide_f32(
-        p: &crate::wide::Product,
-        a: *const f32,
-        w: *const f32,
-        o: *mut f32,
-        count: usize,
-    ) -> bool {
-        crate::wide::product(p, a, w, o, count)
-    }
-
-    /// f64 layers have no Winograd products.
-    #[inline(always)]
-    unsafe fn no_wide(
-        _: &crate::wide::Product,
-        _: *const f64,
-        _: *const f64,
-        _: *mut f64,
-        _: usize,
-    ) -> bool {
-        false
-    }
 }
 
 #[cfg(all(test, target_arch = "x86_64"))]

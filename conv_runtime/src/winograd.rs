@@ -625,7 +625,8 @@ pub struct Packing {
 /// element type and vector width (with AVX2 and FMA where the CPU has them, portably where the
 /// `portable` feature or the target wants), not once per layer: the packing runs once per
 /// parameter change, and these loops, inlined into every layer, had been more than half of
-/// LLVM's function passes in a network's build (the build took 0.55 of its time without them). The operations are the ones the layer would run itself, in the same order.
+/// LLVM's function passes in a network's build (the build took 0.55 of its time without them).
+/// The operations are the ones the layer would run itself, in the same order.
 ///
 /// # Safety
 /// The rows `ys` of `out` are the caller's alone while it runs. Channel counts are multiples
