@@ -17,11 +17,12 @@ Acting is the network at batch 1 under `torch.inference_mode()`; learning is for
 backward at batch 32. Prints a line every 100,000 frames and last
 
     DQN_RESULT {"backend":"pytorch","frames":...,"frames_per_second":...,"mean_return":...,
-                "episodes":...,"seed":...,"threads":...}
+                "episodes":...,"seed":...,"threads":...,"flush_denormals":...}
 
 with `mean_return` the mean return of the last 100 training episodes, as the Rust example's.
 
-    python3 scripts/dqn_pytorch.py [--frames 300000] [--seed 1] [--threads 1] [--returns FILE]
+    python3 scripts/dqn_pytorch.py [--frames 300000] [--seed 1] [--threads 1] [--flush-denormals]
+                                   [--returns FILE]
 """
 
 import argparse
@@ -44,6 +45,8 @@ def main():
     parser.add_argument("--frames", type=int, default=300_000)
     parser.add_argument("--seed", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--flush-denormals", action="store_true",
+                        help="torch.set_flush_denormal(True), as the Rust example's flag")
     parser.add_argument("--returns", help="write (frame, return) per episode as CSV here")
     args = parser.parse_args()
     try:
@@ -54,6 +57,8 @@ def main():
         sys.exit(f"dqn_pytorch: needs torch and minatar==1.0.15 ({e})")
 
     torch.set_num_threads(args.threads)
+    if args.flush_denormals and not torch.set_flush_denormal(True):
+        sys.exit("dqn_pytorch: this CPU cannot flush denormals")
     torch.manual_seed(args.seed)
     rng = np.random.default_rng(args.seed)
     env = Environment("breakout")
@@ -148,6 +153,7 @@ def main():
         "frames_per_second": round(args.frames / elapsed, 1),
         "mean_return": round(float(np.mean(last)) if last else 0.0, 4),
         "episodes": len(episodes), "seed": args.seed, "threads": args.threads,
+        "flush_denormals": args.flush_denormals,
     }
     print("DQN_RESULT " + json.dumps(result, separators=(",", ":")))
     return 0

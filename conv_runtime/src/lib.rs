@@ -28,6 +28,7 @@ pub mod activation;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;
+pub mod denormals;
 mod element;
 mod error;
 mod fused;

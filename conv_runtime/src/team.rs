@@ -29,6 +29,8 @@ pub const SPIN: Duration = Duration::from_micros(200);
 struct Job {
     f: *const (dyn Fn(usize) + Sync),
     count: usize,
+    /// The caller's floating-point control bits (`crate::denormals`): every part runs in them.
+    control: u32,
 }
 
 /// `Shared::gate` packs the current call (above [`CALL_SHIFT`]), whether it is closed, and the
@@ -81,6 +83,9 @@ impl Shared {
     fn run_parts(&self, job: Job, call: u64, own: usize) {
         // SAFETY: the closure outlives the call (see `Shared`).
         let f = unsafe { &*job.f };
+        if own != 0 {
+            crate::denormals::adopt(job.control);
+        }
         let parts = (own..job.count).chain(0..own);
         for part in parts {
             if !self.claim(part, call) {
@@ -122,6 +127,7 @@ impl Team {
             job: UnsafeCell::new(Job {
                 f: &|_| {},
                 count: 0,
+                control: 0,
             }),
             panic: Mutex::new(None),
             shutdown: AtomicBool::new(false),
@@ -173,7 +179,11 @@ impl Team {
         // does not return before it is closed (see `Shared`).
         let f_static: *const (dyn Fn(usize) + Sync) =
             unsafe { std::mem::transmute::<&(dyn Fn(usize) + Sync), _>(f) };
-        let job = Job { f: f_static, count };
+        let job = Job {
+            f: f_static,
+            count,
+            control: crate::denormals::control(),
+        };
         // SAFETY: the previous call is closed: no worker reads the job (see `Shared`).
         unsafe {
             *shared.job.get() = job;
@@ -325,6 +335,38 @@ mod tests {
                 assert_eq!(r.load(Ordering::Relaxed), expected, "worker {w} of {count}");
             }
         }
+    }
+
+    /// Parts on the workers run in the caller's floating-point mode, set or not.
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn workers_take_the_callers_denormal_mode() {
+        let team = Team::new(1).expect("threads");
+        let caller = std::thread::current().id();
+        // `(ran on a worker, flushed there)` over calls until a worker took a part.
+        let on_worker = |flushed: bool| {
+            for _ in 0..1000 {
+                let seen = Mutex::new(None);
+                team.run(2, &|_| {
+                    if std::thread::current().id() != caller {
+                        *seen.lock().expect("lock") = Some(crate::denormals::flushing());
+                    } else {
+                        // Time for the worker to take the other part.
+                        std::thread::sleep(Duration::from_millis(1));
+                    }
+                });
+                if let Some(mode) = seen.into_inner().expect("lock") {
+                    return assert_eq!(mode, flushed);
+                }
+            }
+            panic!("no part ran on the worker");
+        };
+        on_worker(false);
+        {
+            let _flush = crate::denormals::FlushToZero::on().expect("x86-64");
+            on_worker(true);
+        }
+        on_worker(false);
     }
 
     #[test]
