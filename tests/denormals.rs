@@ -8,7 +8,9 @@ use conv_runtime::denormals::FlushToZero;
 use conv_runtime::prelude::*;
 
 conv_runtime::conv2d! {
-    pub struct Layer { input: [32, 32, 16], out_channels: 32, kernel: 3, padding: 1, activation: Relu, batch: 8 }
+    pub struct Layer {
+        input: [32, 32, 16], out_channels: 32, kernel: 3, padding: 1, activation: Relu, batch: 8,
+    }
 }
 
 /// `evaluate`, the forward pass and the weight gradient, on `cpu`.

@@ -4,10 +4,11 @@
 //! hundred times an ordinary one's cost. Training meets them: an optimizer's running mean of
 //! squared gradients decays by a constant factor while a parameter's gradient is zero, and
 //! below `f32::MIN_POSITIVE` it settles on a small denormal that the same factor rounds back to
-//! itself, so every later step pays for it again. In the DQN example on an Intel Xeon, RMSprop
-//! took 41% of its first 40,000 frames so. Flushing trades those values for zeros (the x86 control bits FTZ and
-//! DAZ, what `torch.set_flush_denormal(True)` sets): no longer IEEE arithmetic, so results differ
-//! from the default mode's (and from the GPU's) wherever a denormal appeared. Off by default.
+//! itself, so every later step pays for it again. Over the DQN example's first 40,000 frames on
+//! an Intel Xeon, RMSprop's step took 41% of the time that way. Flushing trades those values
+//! for zeros (the x86 control bits FTZ and DAZ, what `torch.set_flush_denormal(True)` sets). It
+//! is not IEEE arithmetic: results differ from the default mode's (and from the GPU's) wherever
+//! a denormal appeared, so it is off unless asked for.
 
 #[cfg(not(target_arch = "x86_64"))]
 use crate::Error;

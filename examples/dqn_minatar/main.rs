@@ -44,7 +44,8 @@
 //! `--flush-denormals` flushes denormal numbers to zero (`conv_runtime::denormals`; PyTorch's
 //! `torch.set_flush_denormal(True)`): on Intel cores RMSprop's running means of parameters whose
 //! gradient stays zero settle on denormals that cost microcode assists every step. Faster
-//! there, and no longer IEEE arithmetic: the returns differ from the default mode's.
+//! there, and no longer IEEE arithmetic: the returns can differ from the default mode's
+//! wherever a flushed value changes a decision.
 //!
 //! `--eval CHECKPOINT` plays `--episodes N` (default 100) episodes greedily (epsilon 0.01, so a
 //! stuck agent cannot loop forever) with the saved network and prints their mean return.
