@@ -21,7 +21,7 @@ const FLUSH: u32 = (1 << 15) | (1 << 6);
 
 /// The calling thread's control and status register (MXCSR on x86-64; 0 elsewhere).
 #[inline]
-pub(crate) fn mode() -> u32 {
+fn mode() -> u32 {
     #[cfg(target_arch = "x86_64")]
     {
         let mut csr = 0u32;
@@ -37,11 +37,12 @@ pub(crate) fn mode() -> u32 {
     }
 }
 
-/// Sets the calling thread's register to `csr`, a value [`mode`] returned (on any thread).
+/// Sets the calling thread's register to `csr`, a value [`mode`] returned with control bits
+/// from [`control`] (on any thread).
 #[inline]
-pub(crate) fn set_mode(csr: u32) {
+fn set_mode(csr: u32) {
     #[cfg(target_arch = "x86_64")]
-    // SAFETY: `csr` was read by `stmxcsr`, so it has no reserved bit set; `ldmxcsr` reads four
+    // SAFETY: `csr` is made of bits `stmxcsr` read, so it has no reserved bit set; `ldmxcsr` reads four
     // bytes from a valid local.
     unsafe {
         std::arch::asm!("ldmxcsr [{}]", in(reg) &csr, options(nostack, preserves_flags));
@@ -73,7 +74,7 @@ pub(crate) fn adopt(control: u32) {
 pub fn flushing() -> bool {
     #[cfg(target_arch = "x86_64")]
     {
-        mode() & FLUSH == FLUSH
+        control() & FLUSH == FLUSH
     }
     #[cfg(not(target_arch = "x86_64"))]
     {
@@ -97,6 +98,7 @@ pub fn flushing() -> bool {
 /// ```
 #[must_use = "the mode is restored when this is dropped"]
 pub struct FlushToZero {
+    /// The control bits it found.
     previous: u32,
     /// The mode is the thread's: the guard must drop where it was made.
     _thread: PhantomData<*const ()>,
@@ -108,8 +110,8 @@ impl FlushToZero {
     pub fn on() -> Result<Self> {
         #[cfg(target_arch = "x86_64")]
         {
-            let previous = mode();
-            set_mode(previous | FLUSH);
+            let previous = control();
+            adopt(previous | FLUSH);
             Ok(Self {
                 previous,
                 _thread: PhantomData,
@@ -127,7 +129,7 @@ impl FlushToZero {
 
 impl Drop for FlushToZero {
     fn drop(&mut self) {
-        adopt(self.previous & CONTROL);
+        adopt(self.previous);
     }
 }
 

@@ -343,7 +343,7 @@ mod tests {
     fn workers_take_the_callers_denormal_mode() {
         let team = Team::new(1).expect("threads");
         let caller = std::thread::current().id();
-        // `(ran on a worker, flushed there)` over calls until a worker took a part.
+        // Calls until a worker takes a part: whether it flushed there, held to `flushed`.
         let on_worker = |flushed: bool| {
             for _ in 0..1000 {
                 let seen = Mutex::new(None);
