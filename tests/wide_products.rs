@@ -1,9 +1,9 @@
-//! Where the CPU has AVX-512, the Winograd layers' products run on it (`conv_runtime::wide`),
-//! and must give the AVX2 kernels' bits: the same result on every x86-64 CPU with AVX2. Each
-//! Winograd variant's evaluate, training forward and backward pass (whose input gradient is a
-//! product too) run here, and again in a copy of this test run with `CONV2D_SIMD=avx2` (the
-//! choice is made once per process); every value must match bit for bit. (A test binary of its
-//! own: the copy is this binary, run with a filter.)
+//! Where the CPU has AVX-512, the Winograd layers' products and tile transforms run on it
+//! (`conv_runtime::wide`), and must give the AVX2 kernels' bits: the same result on every x86-64
+//! CPU with AVX2. Each Winograd variant's evaluate, training forward and backward pass (whose
+//! input gradient is a product too) run here, and again in a copy of this test run with
+//! `CONV2D_SIMD=avx2` (the choice is made once per process); every value must match bit for
+//! bit. (A test binary of its own: the copy is this binary, run with a filter.)
 
 use conv_runtime::prelude::*;
 

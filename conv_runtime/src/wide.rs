@@ -1,4 +1,5 @@
-//! The Winograd layers' matrix products on AVX-512's 16-lane registers, where the CPU has them.
+//! The Winograd layers' matrix products and tile transforms on AVX-512's 16-lane registers,
+//! where the CPU has them.
 //!
 //! Generated kernels are written for 8-lane vectors, so that their blocking and the packed
 //! weights are the same on every x86-64 CPU. A Winograd layer spends most of its time in the
@@ -8,6 +9,14 @@
 //! FMA units issues twice the multiply-adds per cycle. Every output is the same chain of fused
 //! multiply-adds in the same order as in the AVX2 kernel (from zero, over the reduction in
 //! order), so the bits do not change, and a layer gives the same results on either.
+//!
+//! The tile transforms around the products ([`input`], [`output`], [`gradient`],
+//! [`input_gradient`]) are lane-wise: each channel's arithmetic is the same whatever the
+//! vector's width, so they take a tile's channels 16 at a time (8 for the rest) with
+//! [`crate::winograd`]'s own code, one call per tile.
+
+use crate::winograd::Variant;
+use std::ops::Range;
 
 /// One chunk's products, as the generated `__wino_gemm` and `__wino_data_product` lay them
 /// out: for each tile element `e`, `o[e][r][..n] = a[e][r][..k] . w[e]` for the first `count`
@@ -53,10 +62,309 @@ pub unsafe fn product(
     false
 }
 
+/// `B^T d B` of `channels` channels ([`crate::winograd::input`]'s arguments, the channels
+/// from `x` and `v` on) on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
+/// Lane-wise arithmetic, the same operations on each channel as the 8-lane kernels, so the
+/// same bits.
+///
+/// # Safety
+/// As [`crate::winograd::input`] for every vector of 8 of the `channels` (a multiple of 8).
+#[doc(hidden)]
+#[inline]
+pub unsafe fn input<V: Variant>(
+    x: *const f32,
+    row: usize,
+    col: usize,
+    v: *mut f32,
+    stride: usize,
+    channels: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            avx512::input::<V>(x, row, col, v, stride, channels);
+            return true;
+        }
+    }
+    let _ = (x, row, col, v, stride, channels);
+    false
+}
+
+/// One output tile of `channels` channels: `A^T m A` ([`crate::winograd::output`]) plus the
+/// bias, clamped at zero where `relu`, stored at `y + r * row + c * col` for its first `down`
+/// rows and `right` columns; on AVX-512 where [`crate::simd::avx512`] chooses it, `true` if it
+/// did. The same operations as the generated 8-lane epilogue, so the same bits.
+///
+/// # Safety
+/// As [`crate::winograd::output`] for every vector of 8 of the `channels` (a multiple of 8);
+/// `bias` holds `channels` values, every address stored to holds them.
+#[doc(hidden)]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn output<V: Variant>(
+    m: *const f32,
+    stride: usize,
+    bias: *const f32,
+    y: *mut f32,
+    row: usize,
+    col: usize,
+    channels: usize,
+    (down, right): (usize, usize),
+    relu: bool,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            avx512::output::<V>(m, stride, bias, y, row, col, channels, (down, right), relu);
+            return true;
+        }
+    }
+    let _ = (m, stride, bias, y, row, col, channels, down, right, relu);
+    false
+}
+
+/// `A dy A^T` ([`crate::winograd::gradient`]) of the output-gradient tile read at
+/// `dy + r * row + c * col` (its first `down` rows and `right` columns; the rest zero), for
+/// `channels` channels, on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
+/// The same operations as the 8-lane kernels, so the same bits.
+///
+/// # Safety
+/// As [`crate::winograd::gradient`] for every vector of 8 of the `channels` (a multiple of 8);
+/// every address read holds them.
+#[doc(hidden)]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn gradient<V: Variant>(
+    dy: *const f32,
+    row: usize,
+    col: usize,
+    (down, right): (usize, usize),
+    n: *mut f32,
+    stride: usize,
+    channels: usize,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            avx512::gradient::<V>(dy, row, col, (down, right), n, stride, channels);
+            return true;
+        }
+    }
+    let _ = (dy, row, col, down, right, n, stride, channels);
+    false
+}
+
+/// [`crate::winograd::input_gradient`] of `channels` channels (its arguments, the channels
+/// from `dv` and `x` on) on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
+/// The same operations as the 8-lane kernels, so the same bits.
+///
+/// # Safety
+/// As [`crate::winograd::input_gradient`] for every vector of 8 of the `channels` (a
+/// multiple of 8).
+#[doc(hidden)]
+#[inline]
+#[allow(clippy::too_many_arguments)]
+pub unsafe fn input_gradient<V: Variant>(
+    dv: *const f32,
+    stride: usize,
+    x: *mut f32,
+    row: usize,
+    col: usize,
+    channels: usize,
+    add: (usize, usize),
+    rows: Range<usize>,
+    cols: Range<usize>,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            avx512::input_gradient::<V>(dv, stride, x, row, col, channels, add, rows, cols);
+            return true;
+        }
+    }
+    let _ = (dv, stride, x, row, col, channels, add, rows, cols);
+    false
+}
+
+// Index loops over the tiles' rows and columns, as `crate::winograd` writes them.
+#[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::Product;
+    use super::{Product, Range, Variant};
+    use crate::simd::{Avx2F32, Simd};
+    use crate::winograd::{self, MAX};
     use std::arch::x86_64::*;
+
+    /// Sixteen f32 lanes in a zmm register, for the lane-wise tile transforms: each lane's
+    /// operations are those of [`Avx2F32`]'s lanes (`vmaxps` keeps the second operand unless
+    /// the first is greater, as on ymm).
+    #[derive(Clone, Copy)]
+    struct Avx512F32(__m512);
+
+    impl Simd for Avx512F32 {
+        type Elem = f32;
+        const LANES: usize = 16;
+        #[inline(always)]
+        unsafe fn zero() -> Self {
+            Self(_mm512_setzero_ps())
+        }
+        #[inline(always)]
+        unsafe fn splat(x: f32) -> Self {
+            Self(_mm512_set1_ps(x))
+        }
+        #[inline(always)]
+        unsafe fn load(p: *const f32) -> Self {
+            Self(_mm512_loadu_ps(p))
+        }
+        #[inline(always)]
+        unsafe fn store(self, p: *mut f32) {
+            _mm512_storeu_ps(p, self.0)
+        }
+        #[inline(always)]
+        unsafe fn fma(a: Self, b: Self, c: Self) -> Self {
+            Self(_mm512_fmadd_ps(a.0, b.0, c.0))
+        }
+        #[inline(always)]
+        unsafe fn add(self, o: Self) -> Self {
+            Self(_mm512_add_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn sub(self, o: Self) -> Self {
+            Self(_mm512_sub_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn mul(self, o: Self) -> Self {
+            Self(_mm512_mul_ps(self.0, o.0))
+        }
+        #[inline(always)]
+        unsafe fn max(self, o: Self) -> Self {
+            Self(_mm512_max_ps(self.0, o.0))
+        }
+    }
+
+    /// Runs `f` over `channels` channels, 16 at a time on zmm, then 8 on ymm.
+    macro_rules! by_channels {
+        ($channels:expr, |$c:ident, $s:ident| $body:expr) => {{
+            let channels = $channels;
+            debug_assert!(channels % 8 == 0);
+            let mut $c = 0;
+            while $c + 16 <= channels {
+                type $s = Avx512F32;
+                $body;
+                $c += 16;
+            }
+            if $c < channels {
+                type $s = Avx2F32;
+                $body;
+            }
+        }};
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn input<V: Variant>(
+        x: *const f32,
+        row: usize,
+        col: usize,
+        v: *mut f32,
+        stride: usize,
+        channels: usize,
+    ) {
+        by_channels!(channels, |c, S| winograd::input::<V, S>(
+            x.add(c),
+            row,
+            col,
+            v.add(c),
+            stride
+        ));
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn output<V: Variant>(
+        m: *const f32,
+        stride: usize,
+        bias: *const f32,
+        y: *mut f32,
+        row: usize,
+        col: usize,
+        channels: usize,
+        (down, right): (usize, usize),
+        relu: bool,
+    ) {
+        by_channels!(channels, |k, S| {
+            let b = S::load(bias.add(k));
+            // `winograd::output`'s operations, each row's second transform as it is stored,
+            // and none for rows past the output.
+            let mut t = [[S::zero(); MAX]; MAX];
+            for j in 0..V::N {
+                let mut x = [S::zero(); MAX];
+                for i in 0..V::N {
+                    x[i] = S::load(m.add(k + (j + V::N * i) * stride));
+                }
+                let c = V::at(x);
+                for i in 0..V::M {
+                    t[i][j] = c[i];
+                }
+            }
+            for r in 0..down {
+                let out = V::at(t[r]);
+                for c in 0..right {
+                    let mut value = out[c].add(b);
+                    if relu {
+                        value = value.max(S::zero());
+                    }
+                    value.store(y.add(r * row + c * col + k));
+                }
+            }
+        });
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    pub unsafe fn gradient<V: Variant>(
+        dy: *const f32,
+        row: usize,
+        col: usize,
+        (down, right): (usize, usize),
+        n: *mut f32,
+        stride: usize,
+        channels: usize,
+    ) {
+        by_channels!(channels, |k, S| {
+            let mut t = [[S::zero(); MAX]; MAX];
+            for r in 0..down {
+                for c in 0..right {
+                    t[r][c] = S::load(dy.add(r * row + c * col + k));
+                }
+            }
+            winograd::gradient::<V, S>(t, n.add(k), stride);
+        });
+    }
+
+    #[target_feature(enable = "avx512f,avx2,fma")]
+    #[allow(clippy::too_many_arguments)]
+    pub unsafe fn input_gradient<V: Variant>(
+        dv: *const f32,
+        stride: usize,
+        x: *mut f32,
+        row: usize,
+        col: usize,
+        channels: usize,
+        (add_rows, add_cols): (usize, usize),
+        rows: Range<usize>,
+        cols: Range<usize>,
+    ) {
+        by_channels!(channels, |c, S| winograd::input_gradient::<V, S>(
+            dv.add(c),
+            stride,
+            x.wrapping_add(c),
+            row,
+            col,
+            add_rows,
+            add_cols,
+            rows.clone(),
+            cols.clone()
+        ));
+    }
 
     /// Rows per register tile: as the AVX2 tiles, each row's pointer needs a register.
     const ROWS: usize = 6;
@@ -185,6 +493,217 @@ mod tests {
                 }
             }
         }
+    }
+
+    /// The generated 8-lane code around each transform, a vector of channels at a time.
+    #[cfg(target_arch = "x86_64")]
+    #[allow(clippy::needless_range_loop)]
+    mod narrow {
+        use crate::simd::{Avx2F32, Simd};
+        use crate::winograd::{self, Variant, MAX};
+        use std::ops::Range;
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn input<V: Variant>(x: *const f32, l: [usize; 3], v: *mut f32, ch: usize) {
+            for c in (0..ch).step_by(8) {
+                winograd::input::<V, Avx2F32>(x.add(c), l[0], l[1], v.add(c), l[2]);
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        #[allow(clippy::too_many_arguments)]
+        pub unsafe fn output<V: Variant>(
+            m: *const f32,
+            stride: usize,
+            bias: *const f32,
+            y: *mut f32,
+            (row, col, ch): (usize, usize, usize),
+            (down, right): (usize, usize),
+            relu: bool,
+        ) {
+            for k in (0..ch).step_by(8) {
+                let b = Avx2F32::load(bias.add(k));
+                let out = winograd::output::<V, Avx2F32>(m.add(k), stride);
+                for r in 0..down {
+                    for c in 0..right {
+                        let mut value = out[r][c].add(b);
+                        if relu {
+                            value = value.max(Avx2F32::zero());
+                        }
+                        value.store(y.add(r * row + c * col + k));
+                    }
+                }
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn gradient<V: Variant>(
+            dy: *const f32,
+            (row, col, ch): (usize, usize, usize),
+            (down, right): (usize, usize),
+            n: *mut f32,
+            stride: usize,
+        ) {
+            for k in (0..ch).step_by(8) {
+                let mut t = [[Avx2F32::zero(); MAX]; MAX];
+                for r in 0..down {
+                    for c in 0..right {
+                        t[r][c] = Avx2F32::load(dy.add(r * row + c * col + k));
+                    }
+                }
+                winograd::gradient::<V, Avx2F32>(t, n.add(k), stride);
+            }
+        }
+
+        #[target_feature(enable = "avx2,fma")]
+        pub unsafe fn input_gradient<V: Variant>(
+            dv: *const f32,
+            stride: usize,
+            x: *mut f32,
+            (row, col, ch): (usize, usize, usize),
+            (add_rows, add_cols): (usize, usize),
+            (rows, cols): (Range<usize>, Range<usize>),
+        ) {
+            for c in (0..ch).step_by(8) {
+                winograd::input_gradient::<V, Avx2F32>(
+                    dv.add(c),
+                    stride,
+                    x.add(c),
+                    row,
+                    col,
+                    add_rows,
+                    add_cols,
+                    rows.clone(),
+                    cols.clone(),
+                );
+            }
+        }
+    }
+
+    /// Each transform on 16 lanes against the 8-lane code it replaces, for one variant: 24
+    /// channels (a zmm and a ymm vector), clipped tiles, ReLU on and off, NaNs among the inputs.
+    #[cfg(target_arch = "x86_64")]
+    fn transforms_match<V: Variant>(name: &str) {
+        use crate::winograd::MAX;
+        let mut rng = crate::Rng::seed_from_u64(5);
+        let ch = 24;
+        // Element `e` of a tile `stride` apart; a tile's pixels `col` apart, rows `row`.
+        let (stride, col) = (ch + 8, ch + 8);
+        let row = MAX * col + 8;
+        let mut fill = |len: usize| -> Vec<f32> {
+            let mut v: Vec<f32> = (0..len).map(|_| rng.uniform(-2.0, 2.0) as f32).collect();
+            v[len / 3] = f32::NAN;
+            v
+        };
+        let same = |a: &[f32], b: &[f32], what: &str| {
+            for (i, (a, b)) in a.iter().zip(b).enumerate() {
+                assert_eq!(a.to_bits(), b.to_bits(), "{name} {what} at {i}");
+            }
+        };
+        let (tile, elems) = (MAX * row, MAX * MAX * stride);
+        let (x, m, bias, dv) = (fill(tile), fill(elems), fill(ch), fill(elems));
+        // SAFETY: every buffer covers the addresses the transforms touch (`MAX` rows and
+        // columns of the strides above); `avx512()` said the CPU has AVX-512F (so AVX2, FMA).
+        unsafe {
+            let (mut got, mut want) = (vec![f32::NAN; elems], vec![f32::NAN; elems]);
+            assert!(input::<V>(
+                x.as_ptr(),
+                row,
+                col,
+                got.as_mut_ptr(),
+                stride,
+                ch
+            ));
+            narrow::input::<V>(x.as_ptr(), [row, col, stride], want.as_mut_ptr(), ch);
+            same(&got, &want, "input");
+            for extent in [(V::M, V::M), (1, V::M), (V::M - 1, 1)] {
+                for relu in [false, true] {
+                    let (mut got, mut want) = (vec![f32::NAN; tile], vec![f32::NAN; tile]);
+                    let y = (row, col, ch);
+                    assert!(output::<V>(
+                        m.as_ptr(),
+                        stride,
+                        bias.as_ptr(),
+                        got.as_mut_ptr(),
+                        row,
+                        col,
+                        ch,
+                        extent,
+                        relu
+                    ));
+                    narrow::output::<V>(
+                        m.as_ptr(),
+                        stride,
+                        bias.as_ptr(),
+                        want.as_mut_ptr(),
+                        y,
+                        extent,
+                        relu,
+                    );
+                    same(&got, &want, "output");
+                }
+                let (mut got, mut want) = (vec![f32::NAN; elems], vec![f32::NAN; elems]);
+                assert!(gradient::<V>(
+                    x.as_ptr(),
+                    row,
+                    col,
+                    extent,
+                    got.as_mut_ptr(),
+                    stride,
+                    ch
+                ));
+                narrow::gradient::<V>(
+                    x.as_ptr(),
+                    (row, col, ch),
+                    extent,
+                    want.as_mut_ptr(),
+                    stride,
+                );
+                same(&got, &want, "gradient");
+            }
+            for (add, clip) in [
+                ((0, 0), (0..V::N, 0..V::N)),
+                ((2, 1), (0..V::N, 0..V::N)),
+                ((1, 0), (1..V::N - 1, 0..V::N - 2)),
+            ] {
+                let (mut got, mut want) = (x.clone(), x.clone());
+                assert!(input_gradient::<V>(
+                    dv.as_ptr(),
+                    stride,
+                    got.as_mut_ptr(),
+                    row,
+                    col,
+                    ch,
+                    add,
+                    clip.0.clone(),
+                    clip.1.clone()
+                ));
+                narrow::input_gradient::<V>(
+                    dv.as_ptr(),
+                    stride,
+                    want.as_mut_ptr(),
+                    (row, col, ch),
+                    add,
+                    clip,
+                );
+                same(&got, &want, "input gradient");
+            }
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn wide_transforms_give_the_8_lane_bits() {
+        if !crate::simd::avx512() {
+            eprintln!("no AVX-512 on this CPU (or CONV2D_SIMD asks for narrower kernels): the wide transforms cannot run here");
+            return;
+        }
+        use crate::winograd::{F2x3, F2x3S2, F3x2, F4x3, F5x2};
+        transforms_match::<F2x3>("F2x3");
+        transforms_match::<F3x2>("F3x2");
+        transforms_match::<F4x3>("F4x3");
+        transforms_match::<F5x2>("F5x2");
+        transforms_match::<F2x3S2>("F2x3S2");
     }
 
     #[test]

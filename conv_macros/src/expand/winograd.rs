@@ -333,6 +333,11 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     // The tile's rows and columns inside the output.
                     let down = if __OH - oh < __WM { __OH - oh } else { __WM };
                     let right = if __OW - ow < __WM { __OW - ow } else { __WM };
+                    // On AVX-512 all of the tile's channels in one call, 16 lanes at a time
+                    // (`conv_runtime::wide`; lane-wise, so the same bits); here and below.
+                    if __S::wide_output::<__WV>(mp.add(t * __OC), __WCT * __OC, bias, base, __OW * __OC, __OC, __OC, (down, right), relu) {
+                        continue;
+                    }
                     for k in (0..__OC).step_by(__L) {
                         let b = __S::load(bias.add(k));
                         let out = #rt::winograd::output::<__WV, __S>(mp.add(t * __OC + k), __WCT * __OC);
@@ -563,8 +568,10 @@ fn helpers() -> TokenStream {
                 } else {
                     (xs.add(n % __SLOTS * __STAGED_IMAGE + (__WSTEP * th * __WW + __WSTEP * tw) * __WIC), __WW * __WIC)
                 };
-                for c in (0..__WIC).step_by(__L) {
-                    #rt::winograd::input::<__WV, __S>(src.add(c), row, __WIC, v.add(t * __WIC + c), __WCT * __WIC);
+                if !__S::wide_input::<__WV>(src, row, __WIC, v.add(t * __WIC), __WCT * __WIC, __WIC) {
+                    for c in (0..__WIC).step_by(__L) {
+                        #rt::winograd::input::<__WV, __S>(src.add(c), row, __WIC, v.add(t * __WIC + c), __WCT * __WIC);
+                    }
                 }
             }
         }
@@ -900,6 +907,9 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     let base = dzp.add(((img * __OH + oh) * __OW + ow - origin) * __OC);
                     let down = if __OH - oh < __WM { __OH - oh } else { __WM };
                     let right = if __OW - ow < __WM { __OW - ow } else { __WM };
+                    if __S::wide_gradient::<__WV>(base, __OW * __OC, __OC, (down, right), np.add(t * __OC), __WCT * __OC, __OC) {
+                        continue;
+                    }
                     for k in (0..__OC).step_by(__L) {
                         let mut dy = [[__S::zero(); #rt::winograd::MAX]; #rt::winograd::MAX];
                         for r in 0..down {
@@ -932,11 +942,17 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                             let image = d_input.part(img * __IMAGE, __IMAGE).as_mut_ptr() as *mut __A;
                             let origin = (sy as isize - __PH as isize) * (__IW * __IC) as isize + (sx as isize - __PW as isize) * __IC as isize;
                             let dst = image.wrapping_offset(origin);
+                            if __S::wide_input_gradient::<__WV>(vp.add(t * __WIC), __WCT * __WIC, dst, __IW * __IC, __IC, __IC, (add_rows, add_cols), rows.clone(), cols.clone()) {
+                                continue;
+                            }
                             for c in (0..__IC).step_by(__L) {
                                 #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.wrapping_add(c), __IW * __IC, __IC, add_rows, add_cols, rows.clone(), cols.clone());
                             }
                         } else {
                             let dst = dxp.add(img % __SLOTS * __STAGED_IMAGE + (sy * __WW + sx) * __WIC);
+                            if __S::wide_input_gradient::<__WV>(vp.add(t * __WIC), __WCT * __WIC, dst, __WW * __WIC, __WIC, __WIC, (add_rows, add_cols), 0..__WN, 0..__WN) {
+                                continue;
+                            }
                             for c in (0..__WIC).step_by(__L) {
                                 #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.add(c), __WW * __WIC, __WIC, add_rows, add_cols, 0..__WN, 0..__WN);
                             }
