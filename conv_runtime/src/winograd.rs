@@ -87,10 +87,6 @@ pub struct F5x2;
 /// odd inputs) as it is: `5 x 5` multiplies for 4 outputs where the direct sum does 36.
 pub struct F2x3S2;
 
-/// F(4x4, 3x3) at stride 2: as [`F2x3S2`] with F(4, 2) (points 0, 1, -1, 2 and infinity) for
-/// the odd taps: `9 x 9` multiplies for 16 outputs where the direct sum does 144.
-pub struct F4x3S2;
-
 impl Variant for F2x3 {
     const N: usize = 4;
     const M: usize = 2;
