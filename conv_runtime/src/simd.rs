@@ -119,75 +119,18 @@ pub trait Simd: Copy {
         false
     }
 
-    /// Runs [`crate::winograd::input`] over `channels` channels on wider vectors than
-    /// `Self`'s where the CPU has them ([`crate::wide::input`]): `true` if it did. Lane-wise,
-    /// so the same bits.
+    /// Runs a Winograd tile's transform ([`crate::winograd::tiles`]) over its `channels`
+    /// channels (a multiple of `LANES`): a vector of `Self` at a time, or wider vectors where
+    /// the CPU has them ([`crate::wide::channels`]). Lane-wise, so the same bits.
     /// # Safety
-    /// As [`crate::wide::input`].
+    /// As [`crate::winograd::tiles::Transform::run`] for every vector of the channels.
     #[inline(always)]
-    unsafe fn wide_input<V: crate::winograd::Variant>(
-        _x: *const Self::Elem,
-        _row: usize,
-        _col: usize,
-        _v: *mut Self::Elem,
-        _stride: usize,
-        _channels: usize,
-    ) -> bool {
-        false
-    }
-
-    /// [`crate::wide::output`] where the CPU has wider vectors: `true` if it ran.
-    /// # Safety
-    /// As [`crate::wide::output`].
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn wide_output<V: crate::winograd::Variant>(
-        _m: *const Self::Elem,
-        _stride: usize,
-        _bias: *const Self::Elem,
-        _y: *mut Self::Elem,
-        _row: usize,
-        _col: usize,
-        _channels: usize,
-        _extent: (usize, usize),
-        _relu: bool,
-    ) -> bool {
-        false
-    }
-
-    /// [`crate::wide::gradient`] where the CPU has wider vectors: `true` if it ran.
-    /// # Safety
-    /// As [`crate::wide::gradient`].
-    #[inline(always)]
-    unsafe fn wide_gradient<V: crate::winograd::Variant>(
-        _dy: *const Self::Elem,
-        _row: usize,
-        _col: usize,
-        _extent: (usize, usize),
-        _n: *mut Self::Elem,
-        _stride: usize,
-        _channels: usize,
-    ) -> bool {
-        false
-    }
-
-    /// [`crate::wide::input_gradient`] where the CPU has wider vectors: `true` if it ran.
-    /// # Safety
-    /// As [`crate::wide::input_gradient`].
-    #[inline(always)]
-    #[allow(clippy::too_many_arguments)]
-    unsafe fn wide_input_gradient<V: crate::winograd::Variant>(
-        _dv: *const Self::Elem,
-        _stride: usize,
-        _x: *mut Self::Elem,
-        _row: usize,
-        _col: usize,
-        _channels: usize,
-        _add: (usize, usize),
-        _rows: std::ops::Range<usize>,
-        _cols: std::ops::Range<usize>,
-    ) -> bool {
-        false
+    unsafe fn channels<V, T>(t: &T, channels: usize)
+    where
+        V: crate::winograd::Variant,
+        T: crate::winograd::tiles::Transform<Self::Elem>,
+    {
+        crate::winograd::tiles::by_vectors::<V, Self, T>(t, 0, channels)
     }
 
     /// Asks for the cache line holding `p` ahead of its use (`prefetcht0` on x86_64, nothing
@@ -435,55 +378,14 @@ mod x86 {
                         $wide(p, a, w, o, count)
                     }
                     #[inline(always)]
-                    unsafe fn wide_input<V: crate::winograd::Variant>(
-                        x: *const $elem,
-                        row: usize,
-                        col: usize,
-                        v: *mut $elem,
-                        stride: usize,
-                        channels: usize,
-                    ) -> bool {
-                        crate::wide::input::<V>(x, row, col, v, stride, channels)
-                    }
-                    #[inline(always)]
-                    unsafe fn wide_output<V: crate::winograd::Variant>(
-                        m: *const $elem,
-                        stride: usize,
-                        bias: *const $elem,
-                        y: *mut $elem,
-                        row: usize,
-                        col: usize,
-                        channels: usize,
-                        extent: (usize, usize),
-                        relu: bool,
-                    ) -> bool {
-                        crate::wide::output::<V>(m, stride, bias, y, row, col, channels, extent, relu)
-                    }
-                    #[inline(always)]
-                    unsafe fn wide_gradient<V: crate::winograd::Variant>(
-                        dy: *const $elem,
-                        row: usize,
-                        col: usize,
-                        extent: (usize, usize),
-                        n: *mut $elem,
-                        stride: usize,
-                        channels: usize,
-                    ) -> bool {
-                        crate::wide::gradient::<V>(dy, row, col, extent, n, stride, channels)
-                    }
-                    #[inline(always)]
-                    unsafe fn wide_input_gradient<V: crate::winograd::Variant>(
-                        dv: *const $elem,
-                        stride: usize,
-                        x: *mut $elem,
-                        row: usize,
-                        col: usize,
-                        channels: usize,
-                        add: (usize, usize),
-                        rows: std::ops::Range<usize>,
-                        cols: std::ops::Range<usize>,
-                    ) -> bool {
-                        crate::wide::input_gradient::<V>(dv, stride, x, row, col, channels, add, rows, cols)
+                    unsafe fn channels<V, T>(t: &T, channels: usize)
+                    where
+                        V: crate::winograd::Variant,
+                        T: crate::winograd::tiles::Transform<Self::Elem>,
+                    {
+                        if !crate::wide::channels::<V, T>(t, channels) {
+                            crate::winograd::tiles::by_vectors::<V, Self, T>(t, 0, channels)
+                        }
                     }
                 )?
                 // Masked moves touch only the first `n` lanes' memory.

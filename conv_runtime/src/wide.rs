@@ -10,13 +10,12 @@
 //! multiply-adds in the same order as in the AVX2 kernel (from zero, over the reduction in
 //! order), so the bits do not change, and a layer gives the same results on either.
 //!
-//! The tile transforms around the products ([`input`], [`output`], [`gradient`],
-//! [`input_gradient`]) are lane-wise: each channel's arithmetic is the same whatever the
-//! vector's width, so they take a tile's channels 16 at a time (8 for the rest) with
-//! [`crate::winograd`]'s own code, one call per tile.
+//! The tile transforms around the products ([`crate::winograd::tiles`]) are lane-wise: each
+//! channel's arithmetic is the same whatever the vector's width, so [`channels`] runs a tile's
+//! channels 16 at a time (8 for the rest) through the same code, one call per tile.
 
+use crate::winograd::tiles::Transform;
 use crate::winograd::Variant;
-use std::ops::Range;
 
 /// One chunk's products, as the generated `__wino_gemm` and `__wino_data_product` lay them
 /// out: for each tile element `e`, `o[e][r][..n] = a[e][r][..k] . w[e]` for the first `count`
@@ -62,127 +61,24 @@ pub unsafe fn product(
     false
 }
 
-/// `B^T d B` of `channels` channels ([`crate::winograd::input`]'s arguments, the channels
-/// from `x` and `v` on) on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
+/// Runs a tile's transform over its `channels` channels (a multiple of 8) on AVX-512 where
+/// [`crate::simd::avx512`] chooses it, 16 at a time and 8 for the rest: `true` if it did.
 /// Lane-wise arithmetic, the same operations on each channel as the 8-lane kernels, so the
 /// same bits.
 ///
 /// # Safety
-/// As [`crate::winograd::input`] for every vector of 8 of the `channels` (a multiple of 8).
+/// As [`Transform::run`] for every vector of 8 of the `channels`.
 #[doc(hidden)]
 #[inline]
-pub unsafe fn input<V: Variant>(
-    x: *const f32,
-    row: usize,
-    col: usize,
-    v: *mut f32,
-    stride: usize,
-    channels: usize,
-) -> bool {
+pub unsafe fn channels<V: Variant, T: Transform<f32>>(t: &T, channels: usize) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if crate::simd::avx512() {
-            avx512::input::<V>(x, row, col, v, stride, channels);
+            avx512::channels::<V, T>(t, channels);
             return true;
         }
     }
-    let _ = (x, row, col, v, stride, channels);
-    false
-}
-
-/// One output tile of `channels` channels: `A^T m A` ([`crate::winograd::output`]) plus the
-/// bias, clamped at zero where `relu`, stored at `y + r * row + c * col` for its first `down`
-/// rows and `right` columns; on AVX-512 where [`crate::simd::avx512`] chooses it, `true` if it
-/// did. The same operations as the generated 8-lane epilogue, so the same bits.
-///
-/// # Safety
-/// As [`crate::winograd::output`] for every vector of 8 of the `channels` (a multiple of 8);
-/// `bias` holds `channels` values, every address stored to holds them.
-#[doc(hidden)]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn output<V: Variant>(
-    m: *const f32,
-    stride: usize,
-    bias: *const f32,
-    y: *mut f32,
-    row: usize,
-    col: usize,
-    channels: usize,
-    (down, right): (usize, usize),
-    relu: bool,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::simd::avx512() {
-            avx512::output::<V>(m, stride, bias, y, row, col, channels, (down, right), relu);
-            return true;
-        }
-    }
-    let _ = (m, stride, bias, y, row, col, channels, down, right, relu);
-    false
-}
-
-/// `A dy A^T` ([`crate::winograd::gradient`]) of the output-gradient tile read at
-/// `dy + r * row + c * col` (its first `down` rows and `right` columns; the rest zero), for
-/// `channels` channels, on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
-/// The same operations as the 8-lane kernels, so the same bits.
-///
-/// # Safety
-/// As [`crate::winograd::gradient`] for every vector of 8 of the `channels` (a multiple of 8);
-/// every address read holds them.
-#[doc(hidden)]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn gradient<V: Variant>(
-    dy: *const f32,
-    row: usize,
-    col: usize,
-    (down, right): (usize, usize),
-    n: *mut f32,
-    stride: usize,
-    channels: usize,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::simd::avx512() {
-            avx512::gradient::<V>(dy, row, col, (down, right), n, stride, channels);
-            return true;
-        }
-    }
-    let _ = (dy, row, col, down, right, n, stride, channels);
-    false
-}
-
-/// [`crate::winograd::input_gradient`] of `channels` channels (its arguments, the channels
-/// from `dv` and `x` on) on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
-/// The same operations as the 8-lane kernels, so the same bits.
-///
-/// # Safety
-/// As [`crate::winograd::input_gradient`] for every vector of 8 of the `channels` (a
-/// multiple of 8).
-#[doc(hidden)]
-#[inline]
-#[allow(clippy::too_many_arguments)]
-pub unsafe fn input_gradient<V: Variant>(
-    dv: *const f32,
-    stride: usize,
-    x: *mut f32,
-    row: usize,
-    col: usize,
-    channels: usize,
-    add: (usize, usize),
-    rows: Range<usize>,
-    cols: Range<usize>,
-) -> bool {
-    #[cfg(target_arch = "x86_64")]
-    {
-        if crate::simd::avx512() {
-            avx512::input_gradient::<V>(dv, stride, x, row, col, channels, add, rows, cols);
-            return true;
-        }
-    }
-    let _ = (dv, stride, x, row, col, channels, add, rows, cols);
+    let _ = (t, channels);
     false
 }
 
@@ -190,9 +86,9 @@ pub unsafe fn input_gradient<V: Variant>(
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Product, Range, Variant};
+    use super::{Product, Transform, Variant};
     use crate::simd::{Avx2F32, Simd};
-    use crate::winograd::{self, MAX};
+    use crate::winograd::tiles;
     use std::arch::x86_64::*;
 
     /// Sixteen f32 lanes in a zmm register, for the lane-wise tile transforms: each lane's
@@ -242,128 +138,13 @@ mod avx512 {
         }
     }
 
-    /// Runs `f` over `channels` channels, 16 at a time on zmm, then 8 on ymm.
-    macro_rules! by_channels {
-        ($channels:expr, |$c:ident, $s:ident| $body:expr) => {{
-            let channels = $channels;
-            debug_assert!(channels % 8 == 0);
-            let mut $c = 0;
-            while $c + 16 <= channels {
-                type $s = Avx512F32;
-                $body;
-                $c += 16;
-            }
-            if $c < channels {
-                type $s = Avx2F32;
-                $body;
-            }
-        }};
-    }
-
+    /// [`super::channels`]: 16 channels at a time on zmm, then 8 on ymm.
     #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn input<V: Variant>(
-        x: *const f32,
-        row: usize,
-        col: usize,
-        v: *mut f32,
-        stride: usize,
-        channels: usize,
-    ) {
-        by_channels!(channels, |c, S| winograd::input::<V, S>(
-            x.add(c),
-            row,
-            col,
-            v.add(c),
-            stride
-        ));
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn output<V: Variant>(
-        m: *const f32,
-        stride: usize,
-        bias: *const f32,
-        y: *mut f32,
-        row: usize,
-        col: usize,
-        channels: usize,
-        (down, right): (usize, usize),
-        relu: bool,
-    ) {
-        by_channels!(channels, |k, S| {
-            let b = S::load(bias.add(k));
-            // `winograd::output`'s operations, each row's second transform as it is stored,
-            // and none for rows past the output.
-            let mut t = [[S::zero(); MAX]; MAX];
-            for j in 0..V::N {
-                let mut x = [S::zero(); MAX];
-                for i in 0..V::N {
-                    x[i] = S::load(m.add(k + (j + V::N * i) * stride));
-                }
-                let c = V::at(x);
-                for i in 0..V::M {
-                    t[i][j] = c[i];
-                }
-            }
-            for r in 0..down {
-                let out = V::at(t[r]);
-                for c in 0..right {
-                    let mut value = out[c].add(b);
-                    if relu {
-                        value = value.max(S::zero());
-                    }
-                    value.store(y.add(r * row + c * col + k));
-                }
-            }
-        });
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    pub unsafe fn gradient<V: Variant>(
-        dy: *const f32,
-        row: usize,
-        col: usize,
-        (down, right): (usize, usize),
-        n: *mut f32,
-        stride: usize,
-        channels: usize,
-    ) {
-        by_channels!(channels, |k, S| {
-            let mut t = [[S::zero(); MAX]; MAX];
-            for r in 0..down {
-                for c in 0..right {
-                    t[r][c] = S::load(dy.add(r * row + c * col + k));
-                }
-            }
-            winograd::gradient::<V, S>(t, n.add(k), stride);
-        });
-    }
-
-    #[target_feature(enable = "avx512f,avx2,fma")]
-    #[allow(clippy::too_many_arguments)]
-    pub unsafe fn input_gradient<V: Variant>(
-        dv: *const f32,
-        stride: usize,
-        x: *mut f32,
-        row: usize,
-        col: usize,
-        channels: usize,
-        (add_rows, add_cols): (usize, usize),
-        rows: Range<usize>,
-        cols: Range<usize>,
-    ) {
-        by_channels!(channels, |c, S| winograd::input_gradient::<V, S>(
-            dv.add(c),
-            stride,
-            x.wrapping_add(c),
-            row,
-            col,
-            add_rows,
-            add_cols,
-            rows.clone(),
-            cols.clone()
-        ));
+    pub unsafe fn channels<V: Variant, T: Transform<f32>>(t: &T, channels: usize) {
+        debug_assert!(channels.is_multiple_of(8));
+        let wide = channels / 16 * 16;
+        tiles::by_vectors::<V, Avx512F32, T>(t, 0, wide);
+        tiles::by_vectors::<V, Avx2F32, T>(t, wide, channels);
     }
 
     /// Rows per register tile: as the AVX2 tiles, each row's pointer needs a register.
@@ -495,7 +276,8 @@ mod tests {
         }
     }
 
-    /// The generated 8-lane code around each transform, a vector of channels at a time.
+    /// Each transform's loads and epilogue written out apart from [`crate::winograd::tiles`],
+    /// 8 lanes at a time: the reference the tile transforms are held to on both widths.
     #[cfg(target_arch = "x86_64")]
     #[allow(clippy::needless_range_loop)]
     mod narrow {
@@ -584,7 +366,7 @@ mod tests {
     /// channels (a zmm and a ymm vector), clipped tiles, ReLU on and off, NaNs among the inputs.
     #[cfg(target_arch = "x86_64")]
     fn transforms_match<V: Variant>(name: &str) {
-        use crate::winograd::MAX;
+        use crate::winograd::{tiles, MAX};
         let mut rng = crate::Rng::seed_from_u64(5);
         let ch = 24;
         // Element `e` of a tile `stride` apart; a tile's pixels `col` apart, rows `row`.
@@ -606,31 +388,31 @@ mod tests {
         // columns of the strides above); `avx512()` said the CPU has AVX-512F (so AVX2, FMA).
         unsafe {
             let (mut got, mut want) = (vec![f32::NAN; elems], vec![f32::NAN; elems]);
-            assert!(input::<V>(
-                x.as_ptr(),
+            let input = tiles::Input {
+                x: x.as_ptr(),
                 row,
                 col,
-                got.as_mut_ptr(),
+                v: got.as_mut_ptr(),
                 stride,
-                ch
-            ));
+            };
+            assert!(channels::<V, _>(&input, ch));
             narrow::input::<V>(x.as_ptr(), [row, col, stride], want.as_mut_ptr(), ch);
             same(&got, &want, "input");
             for extent in [(V::M, V::M), (1, V::M), (V::M - 1, 1)] {
                 for relu in [false, true] {
                     let (mut got, mut want) = (vec![f32::NAN; tile], vec![f32::NAN; tile]);
                     let y = (row, col, ch);
-                    assert!(output::<V>(
-                        m.as_ptr(),
+                    let output = tiles::Output {
+                        m: m.as_ptr(),
                         stride,
-                        bias.as_ptr(),
-                        got.as_mut_ptr(),
+                        bias: bias.as_ptr(),
+                        y: got.as_mut_ptr(),
                         row,
                         col,
-                        ch,
                         extent,
-                        relu
-                    ));
+                        relu,
+                    };
+                    assert!(channels::<V, _>(&output, ch));
                     narrow::output::<V>(
                         m.as_ptr(),
                         stride,
@@ -643,15 +425,15 @@ mod tests {
                     same(&got, &want, "output");
                 }
                 let (mut got, mut want) = (vec![f32::NAN; elems], vec![f32::NAN; elems]);
-                assert!(gradient::<V>(
-                    x.as_ptr(),
+                let gradient = tiles::Gradient {
+                    dy: x.as_ptr(),
                     row,
                     col,
                     extent,
-                    got.as_mut_ptr(),
+                    n: got.as_mut_ptr(),
                     stride,
-                    ch
-                ));
+                };
+                assert!(channels::<V, _>(&gradient, ch));
                 narrow::gradient::<V>(
                     x.as_ptr(),
                     (row, col, ch),
@@ -667,17 +449,17 @@ mod tests {
                 ((1, 0), (1..V::N - 1, 0..V::N - 2)),
             ] {
                 let (mut got, mut want) = (x.clone(), x.clone());
-                assert!(input_gradient::<V>(
-                    dv.as_ptr(),
+                let input_gradient = tiles::InputGradient {
+                    dv: dv.as_ptr(),
                     stride,
-                    got.as_mut_ptr(),
+                    x: got.as_mut_ptr(),
                     row,
                     col,
-                    ch,
                     add,
-                    clip.0.clone(),
-                    clip.1.clone()
-                ));
+                    rows: clip.0.clone(),
+                    cols: clip.1.clone(),
+                };
+                assert!(channels::<V, _>(&input_gradient, ch));
                 narrow::input_gradient::<V>(
                     dv.as_ptr(),
                     stride,

@@ -27,6 +27,8 @@
 use crate::simd::Simd;
 use std::ops::Range;
 
+pub mod tiles;
+
 /// Entries of the arrays the transforms work on: the largest tile.
 pub const MAX: usize = 6;
 
@@ -455,6 +457,25 @@ pub unsafe fn input<V: Variant, S: Simd>(
 /// Every address read holds `S::LANES` elements.
 #[inline(always)]
 pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [[S; MAX]; MAX] {
+    let t = output_columns::<V, S>(m, stride);
+    let mut y = [[S::zero(); MAX]; MAX];
+    for i in 0..V::M {
+        y[i] = V::at(t[i]);
+    }
+    y
+}
+
+/// `A^T m`, the first half of [`output`]: row `i` of the result, through `V::at`, is the
+/// output tile's row `i`. Apart, so that a tile clipped at the map's edge transforms only the
+/// rows it stores.
+///
+/// # Safety
+/// As [`output`].
+#[inline(always)]
+pub unsafe fn output_columns<V: Variant, S: Simd>(
+    m: *const S::Elem,
+    stride: usize,
+) -> [[S; MAX]; MAX] {
     let mut t = [[S::zero(); MAX]; MAX];
     for j in 0..V::N {
         let c = V::at(column::<V, S>(m.add(j * stride), V::N * stride));
@@ -462,11 +483,7 @@ pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [
             t[i][j] = c[i];
         }
     }
-    let mut y = [[S::zero(); MAX]; MAX];
-    for i in 0..V::M {
-        y[i] = V::at(t[i]);
-    }
-    y
+    t
 }
 
 /// `A dy A^T` of an output-gradient tile (`[row][column]`, the first `M` of each), element

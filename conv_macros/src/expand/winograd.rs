@@ -10,14 +10,14 @@
 //!
 //! The batch's output is cut into `WM x WM` tiles, taken a chunk of whole tile rows at a time (so
 //! each chunk's outputs are one contiguous pixel range, handed to the epilogue while in cache):
-//! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::input`), `WN * WN` products
+//! - forward: input tiles -> `V[e][tile][ic]` (runtime `winograd::tiles::Input`), `WN * WN` products
 //!   `M[e] = V[e] . U[e]` with the register-blocked tiles of [`super::kernel`], then bias,
-//!   ReLU and the output tiles (`winograd::output`). `U[e][block][ic][lanes]` (`G g G^T`) is
+//!   ReLU and the output tiles (`winograd::tiles::Output`). `U[e][block][ic][lanes]` (`G g G^T`) is
 //!   packed once per parameter change like the direct kernel's weights;
 //! - backward: output-gradient tiles -> `N[e][tile][oc]`; the weight gradient accumulates
 //!   `dU[e] += V[e]^T . N[e]` over the batch and is transformed back once; the input gradient is
 //!   `dV[e] = N[e] . U[e]^T` (from a second packed copy, `[e][block][oc][lanes]`) added into the
-//!   overlapping input tiles (`winograd::input_gradient`).
+//!   overlapping input tiles (`winograd::tiles::InputGradient`).
 //!
 //! f32 layers without space-to-depth read each tile's input window in place, border windows
 //! through a zero-padded copy (`DIRECT_INPUT`). Otherwise each image is staged (space-to-depth,
@@ -333,22 +333,13 @@ pub fn forward(spec: &Spec, plan: Plan) -> TokenStream {
                     // The tile's rows and columns inside the output.
                     let down = if __OH - oh < __WM { __OH - oh } else { __WM };
                     let right = if __OW - ow < __WM { __OW - ow } else { __WM };
-                    // On AVX-512 all of the tile's channels in one call, 16 lanes at a time
+                    // All of the tile's channels in one call: on AVX-512, 16 lanes at a time
                     // (`conv_runtime::wide`; lane-wise, so the same bits); here and below.
-                    if __S::wide_output::<__WV>(mp.add(t * __OC), __WCT * __OC, bias, base, __OW * __OC, __OC, __OC, (down, right), relu) {
-                        continue;
-                    }
-                    for k in (0..__OC).step_by(__L) {
-                        let b = __S::load(bias.add(k));
-                        let out = #rt::winograd::output::<__WV, __S>(mp.add(t * __OC + k), __WCT * __OC);
-                        for r in 0..down {
-                            for c in 0..right {
-                                let mut value = out[r][c].add(b);
-                                if relu { value = value.max(__S::zero()); }
-                                value.store(base.add((r * __OW + c) * __OC + k));
-                            }
-                        }
-                    }
+                    let out = #rt::winograd::tiles::Output {
+                        m: mp.add(t * __OC), stride: __WCT * __OC, bias, y: base,
+                        row: __OW * __OC, col: __OC, extent: (down, right), relu,
+                    };
+                    __S::channels::<__WV, _>(&out, __OC);
                 }
                 epilogue(yt, first, end_pixel - first);
                 then(first, end_pixel - first);
@@ -568,11 +559,10 @@ fn helpers() -> TokenStream {
                 } else {
                     (xs.add(n % __SLOTS * __STAGED_IMAGE + (__WSTEP * th * __WW + __WSTEP * tw) * __WIC), __WW * __WIC)
                 };
-                if !__S::wide_input::<__WV>(src, row, __WIC, v.add(t * __WIC), __WCT * __WIC, __WIC) {
-                    for c in (0..__WIC).step_by(__L) {
-                        #rt::winograd::input::<__WV, __S>(src.add(c), row, __WIC, v.add(t * __WIC + c), __WCT * __WIC);
-                    }
-                }
+                let input = #rt::winograd::tiles::Input {
+                    x: src, row, col: __WIC, v: v.add(t * __WIC), stride: __WCT * __WIC,
+                };
+                __S::channels::<__WV, _>(&input, __WIC);
             }
         }
 
@@ -907,18 +897,11 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                     let base = dzp.add(((img * __OH + oh) * __OW + ow - origin) * __OC);
                     let down = if __OH - oh < __WM { __OH - oh } else { __WM };
                     let right = if __OW - ow < __WM { __OW - ow } else { __WM };
-                    if __S::wide_gradient::<__WV>(base, __OW * __OC, __OC, (down, right), np.add(t * __OC), __WCT * __OC, __OC) {
-                        continue;
-                    }
-                    for k in (0..__OC).step_by(__L) {
-                        let mut dy = [[__S::zero(); #rt::winograd::MAX]; #rt::winograd::MAX];
-                        for r in 0..down {
-                            for c in 0..right {
-                                dy[r][c] = __S::load(base.add((r * __OW + c) * __OC + k));
-                            }
-                        }
-                        #rt::winograd::gradient::<__WV, __S>(dy, np.add(t * __OC + k), __WCT * __OC);
-                    }
+                    let gradient = #rt::winograd::tiles::Gradient {
+                        dy: base, row: __OW * __OC, col: __OC, extent: (down, right),
+                        n: np.add(t * __OC), stride: __WCT * __OC,
+                    };
+                    __S::channels::<__WV, _>(&gradient, __OC);
                 }
                 if weights {
                     __wino_weight_product::<__S>(vp, np, dup, count, r0 == images.start * __WTH);
@@ -942,20 +925,19 @@ pub fn backward(spec: &Spec, plan: Plan) -> TokenStream {
                             let image = d_input.part(img * __IMAGE, __IMAGE).as_mut_ptr() as *mut __A;
                             let origin = (sy as isize - __PH as isize) * (__IW * __IC) as isize + (sx as isize - __PW as isize) * __IC as isize;
                             let dst = image.wrapping_offset(origin);
-                            if __S::wide_input_gradient::<__WV>(vp.add(t * __WIC), __WCT * __WIC, dst, __IW * __IC, __IC, __IC, (add_rows, add_cols), rows.clone(), cols.clone()) {
-                                continue;
-                            }
-                            for c in (0..__IC).step_by(__L) {
-                                #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.wrapping_add(c), __IW * __IC, __IC, add_rows, add_cols, rows.clone(), cols.clone());
-                            }
+                            let input_gradient = #rt::winograd::tiles::InputGradient {
+                                dv: vp.add(t * __WIC), stride: __WCT * __WIC, x: dst,
+                                row: __IW * __IC, col: __IC, add: (add_rows, add_cols), rows, cols,
+                            };
+                            __S::channels::<__WV, _>(&input_gradient, __IC);
                         } else {
                             let dst = dxp.add(img % __SLOTS * __STAGED_IMAGE + (sy * __WW + sx) * __WIC);
-                            if __S::wide_input_gradient::<__WV>(vp.add(t * __WIC), __WCT * __WIC, dst, __WW * __WIC, __WIC, __WIC, (add_rows, add_cols), 0..__WN, 0..__WN) {
-                                continue;
-                            }
-                            for c in (0..__WIC).step_by(__L) {
-                                #rt::winograd::input_gradient::<__WV, __S>(vp.add(t * __WIC + c), __WCT * __WIC, dst.add(c), __WW * __WIC, __WIC, add_rows, add_cols, 0..__WN, 0..__WN);
-                            }
+                            let input_gradient = #rt::winograd::tiles::InputGradient {
+                                dv: vp.add(t * __WIC), stride: __WCT * __WIC, x: dst,
+                                row: __WW * __WIC, col: __WIC, add: (add_rows, add_cols),
+                                rows: 0..__WN, cols: 0..__WN,
+                            };
+                            __S::channels::<__WV, _>(&input_gradient, __WIC);
                         }
                     }
                 }
