@@ -1,7 +1,8 @@
-//! Where the CPU has AVX-512, the Winograd layers' products and tile transforms run on it
-//! (`conv_runtime::wide`), and must give the AVX2 kernels' bits: the same result on every x86-64
-//! CPU with AVX2. Each Winograd variant's evaluate, training forward and backward pass (whose
-//! input gradient is a product too) run here, and again in a copy of this test run with
+//! Where the CPU has AVX-512, the Winograd layers' products and tile transforms and the dense
+//! layers' forward dot products run on it (`conv_runtime::wide`), and must give the AVX2
+//! kernels' bits: the same result on every x86-64 CPU with AVX2. Each Winograd variant's and
+//! two dense layers' evaluate, training forward and backward pass (whose input gradient is a
+//! product too) run here, and again in a copy of this test run with
 //! `CONV2D_SIMD=avx2` (the choice is made once per process); every value must match bit for
 //! bit. (A test binary of its own: the copy is this binary, run with a filter.)
 
@@ -63,10 +64,16 @@ bits_of_specs! {
         out_channels: 24, kernel: 4, stride: 2, activation: Relu },
     F2x3S2 (F2x3S2Input, F2x3S2Output, F2x3S2State, F2x3S2Grads, 2): { input: [16, 16, 16],
         out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu },
+    // Dense: ragged rows, output channels and inputs (a register tile is 8 rows by 4
+    // channels; 100 inputs end in half a vector), and MinAtar's layer at batch 32.
+    Dense (DenseInput, DenseOutput, DenseState, DenseGrads, 11): { input: [1, 1, 100],
+        out_channels: 13, kernel: 1, activation: Relu },
+    DenseMinAtar (DenseMinAtarInput, DenseMinAtarOutput, DenseMinAtarState, DenseMinAtarGrads,
+        32): { input: [1, 1, 1024], out_channels: 128, kernel: 1 },
 }
 
 #[test]
-fn winograd_layers_give_the_same_bits_on_avx512_and_avx2() {
+fn wide_kernels_give_the_same_bits_on_avx512_and_avx2() {
     let bits = all_bits();
     if let Some(path) = std::env::var_os(OUT_VAR) {
         // The copy: write, and let the parent compare.
@@ -76,8 +83,8 @@ fn winograd_layers_give_the_same_bits_on_avx512_and_avx2() {
     }
     if !conv_runtime::simd::avx512() {
         eprintln!(
-            "the Winograd products do not run on AVX-512 here (no AVX-512F, or CONV2D_SIMD \
-             asks for narrower kernels): both runs would take the AVX2 products"
+            "the wide kernels do not run on AVX-512 here (no AVX-512F and VL, or CONV2D_SIMD \
+             asks for narrower kernels): both runs would take the AVX2 kernels"
         );
     }
     let out = std::env::temp_dir().join(format!("conv2d-wide-{}.bin", std::process::id()));
@@ -85,7 +92,7 @@ fn winograd_layers_give_the_same_bits_on_avx512_and_avx2() {
     let status = std::process::Command::new(exe)
         .args([
             "--exact",
-            "winograd_layers_give_the_same_bits_on_avx512_and_avx2",
+            "wide_kernels_give_the_same_bits_on_avx512_and_avx2",
             "--test-threads=1",
         ])
         .env("CONV2D_SIMD", "avx2")

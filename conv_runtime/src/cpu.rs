@@ -266,6 +266,22 @@ impl<'a, T> Shared<'a, T> {
         unsafe { &mut *self.ptr.add(i) }
     }
 
+    /// A pointer to element `start`, for kernels that write disjoint scattered elements
+    /// through it.
+    ///
+    /// # Safety
+    /// As [`Shared::at`] for every element written through it, each inside the slice.
+    #[inline]
+    pub unsafe fn ptr(&self, start: usize) -> *mut T {
+        assert!(
+            start <= self.len,
+            "element {start} of a slice of {}",
+            self.len
+        );
+        // SAFETY: in bounds or one past the end (checked).
+        unsafe { self.ptr.add(start) }
+    }
+
     #[inline]
     pub fn len(&self) -> usize {
         self.len

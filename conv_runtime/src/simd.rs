@@ -119,6 +119,21 @@ pub trait Simd: Copy {
         false
     }
 
+    /// Runs a dense layer's forward dot products ([`crate::wide::dense`]) on wider vectors
+    /// than `Self`'s where the CPU has them: `true` if it did. The same bits.
+    /// # Safety
+    /// As [`crate::wide::dense`].
+    #[inline(always)]
+    unsafe fn wide_dense(
+        _d: &crate::wide::Dense,
+        _x: *const Self::Elem,
+        _w: *const Self::Elem,
+        _bias: *const Self::Elem,
+        _y: *mut Self::Elem,
+    ) -> bool {
+        false
+    }
+
     /// Runs a Winograd tile's transform ([`crate::winograd::tiles`]) over its `channels`
     /// channels (a multiple of `LANES`): a vector of `Self` at a time, or wider vectors where
     /// the CPU has them ([`crate::wide::channels`]). Lane-wise, so the same bits.
@@ -165,15 +180,17 @@ pub fn avx2_fma() -> bool {
     *CHOICE.get_or_init(|| !asked("portable") && detected())
 }
 
-/// Whether the Winograd layers' products and tile transforms run on AVX-512
-/// ([`crate::wide`]): where the AVX2 kernels run and the CPU has AVX-512F, unless
+/// Whether the Winograd layers' products and tile transforms and the dense layers' forward dot
+/// products run on AVX-512 ([`crate::wide`]): where the AVX2 kernels run and the CPU has
+/// AVX-512F and AVX-512VL (the 256-bit halves in registers 16-31), unless
 /// `CONV2D_SIMD=avx2` asks for AVX2 alone (to compare). Decided once per process.
 #[inline]
 pub fn avx512() -> bool {
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
-        let detected = std::arch::is_x86_feature_detected!("avx512f");
+        let detected = std::arch::is_x86_feature_detected!("avx512f")
+            && std::arch::is_x86_feature_detected!("avx512vl");
         #[cfg(not(target_arch = "x86_64"))]
         let detected = false;
         !asked("avx2") && avx2_fma() && detected
@@ -322,6 +339,19 @@ mod x86 {
     #[derive(Clone, Copy)]
     pub struct Avx2F64(__m256d);
 
+    impl Avx2F32 {
+        /// The register, for [`crate::wide`]'s kernels, which hold two of these in a zmm's halves.
+        #[inline(always)]
+        pub(crate) fn raw(self) -> __m256 {
+            self.0
+        }
+
+        #[inline(always)]
+        pub(crate) fn from_raw(v: __m256) -> Self {
+            Self(v)
+        }
+    }
+
     macro_rules! avx2 {
         ($ty:ident, $elem:ty, $lanes:literal, $reg:ty, $zero:ident, $splat:ident, $load:ident,
          $store:ident, $fma:ident, $add:ident, $sub:ident, $mul:ident, $max:ident,
@@ -376,6 +406,16 @@ mod x86 {
                         count: usize,
                     ) -> bool {
                         $wide(p, a, w, o, count)
+                    }
+                    #[inline(always)]
+                    unsafe fn wide_dense(
+                        d: &crate::wide::Dense,
+                        x: *const $elem,
+                        w: *const $elem,
+                        bias: *const $elem,
+                        y: *mut $elem,
+                    ) -> bool {
+                        crate::wide::dense(d, x, w, bias, y)
                     }
                     #[inline(always)]
                     unsafe fn channels<V, T>(t: &T, channels: usize)

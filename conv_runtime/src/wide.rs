@@ -82,11 +82,58 @@ pub unsafe fn channels<V: Variant, T: Transform<f32>>(t: &T, channels: usize) ->
     false
 }
 
+/// One dense layer's forward dot products, as the generated `__dense_forward` lays them out:
+/// `y[r * ldy + c] = bias[c] + x[r] . w[c]` for `rows` rows of `x` and `cols` rows of `w`, each
+/// `ic` long.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct Dense {
+    /// The inputs: the rows' length.
+    pub ic: usize,
+    /// Rows of `x` (batch rows), `ic` apart.
+    pub rows: usize,
+    /// Rows of `w` (output channels), `ic` apart.
+    pub cols: usize,
+    /// `y`'s row stride.
+    pub ldy: usize,
+}
+
+/// Runs `d`'s dot products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it
+/// did. Each zmm register holds two of the 8-lane kernel's dot products, one per half (rows
+/// `c` and `c + 1` of the weights against a row of `x` broadcast to both halves), so each lane
+/// adds the same products in the same order, and the halves are summed across their lanes as
+/// the 8-lane kernel sums its vectors: the same bits. Their use is the register tile: 16 such
+/// accumulators (8 rows by 4 output channels) against the 8-lane kernel's 12 dot products,
+/// which leave it bound by its loads.
+///
+/// # Safety
+/// `x` holds `d.rows` rows and `w` holds `d.cols` rows, `d.ic` apart; `bias` holds `d.cols`
+/// values; `y` can be written at `r * d.ldy + c` for every `r < d.rows`, `c < d.cols`.
+#[doc(hidden)]
+#[inline]
+pub unsafe fn dense(
+    d: &Dense,
+    x: *const f32,
+    w: *const f32,
+    bias: *const f32,
+    y: *mut f32,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            avx512::dense(d, x, w, bias, y);
+            return true;
+        }
+    }
+    let _ = (d, x, w, bias, y);
+    false
+}
+
 // Index loops over the tiles' rows and columns, as `crate::winograd` writes them.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Product, Transform, Variant};
+    use super::{Dense, Product, Transform, Variant};
     use crate::simd::{Avx2F32, Simd};
     use crate::winograd::tiles;
     use std::arch::x86_64::*;
@@ -250,6 +297,152 @@ mod avx512 {
                 _mm512_mask_storeu_ps(o.add(i * n + c[z].col), c[z].mask, acc[z]);
             }
         }
+    }
+    /// Rows and pairs of output channels of a dense register tile: 16 accumulators, 8 rows of
+    /// `x` broadcast and 2 pairs of weight rows, 26 of the 32 registers.
+    const DENSE_ROWS: usize = 8;
+    const DENSE_PAIRS: usize = 2;
+
+    /// [`super::dense`]: output channels outside (a block of `2 * DENSE_PAIRS` weight rows read
+    /// by every row tile), rows inside, as the 8-lane kernel.
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    pub unsafe fn dense(d: &Dense, x: *const f32, w: *const f32, bias: *const f32, y: *mut f32) {
+        let mut c0 = 0;
+        while c0 < d.cols {
+            let cs = (d.cols - c0).min(2 * DENSE_PAIRS);
+            let mut r0 = 0;
+            while r0 < d.rows {
+                let rs = (d.rows - r0).min(DENSE_ROWS);
+                let t = DenseTile {
+                    x: x.add(r0 * d.ic),
+                    w: w.add(c0 * d.ic),
+                    ic: d.ic,
+                    cols: cs,
+                    bias: bias.add(c0),
+                    y: y.add(r0 * d.ldy + c0),
+                    ldy: d.ldy,
+                };
+                if cs > 2 {
+                    dense_rows::<2>(rs, &t);
+                } else {
+                    dense_rows::<1>(rs, &t);
+                }
+                r0 += rs;
+            }
+            c0 += cs;
+        }
+    }
+
+    /// One register tile's operands: `cols` (at most `2 * P`) rows of `w` against the rows of
+    /// `x`, written to `y` with the bias.
+    struct DenseTile {
+        x: *const f32,
+        w: *const f32,
+        ic: usize,
+        cols: usize,
+        bias: *const f32,
+        y: *mut f32,
+        ldy: usize,
+    }
+
+    #[inline(always)]
+    unsafe fn dense_rows<const P: usize>(rows: usize, t: &DenseTile) {
+        match rows {
+            8 => dense_tile::<8, P>(t),
+            7 => dense_tile::<7, P>(t),
+            6 => dense_tile::<6, P>(t),
+            5 => dense_tile::<5, P>(t),
+            4 => dense_tile::<4, P>(t),
+            3 => dense_tile::<3, P>(t),
+            2 => dense_tile::<2, P>(t),
+            _ => dense_tile::<1, P>(t),
+        }
+    }
+
+    /// Two 8-lane vectors in a zmm register's halves.
+    #[inline(always)]
+    unsafe fn halves(lo: __m256, hi: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_insertf64x4::<1>(
+            _mm512_castpd256_pd512(_mm256_castps_pd(lo)),
+            _mm256_castps_pd(hi),
+        ))
+    }
+
+    /// `R` rows by `P` pairs of output channels. A pair past `cols` repeats its first row in
+    /// its second half, whose sums are not stored.
+    #[inline(always)]
+    unsafe fn dense_tile<const R: usize, const P: usize>(t: &DenseTile) {
+        let ic = t.ic;
+        let mut acc = [[_mm512_setzero_ps(); P]; R];
+        // One pointer per row, indexed by the step.
+        let mut xs = [t.x; R];
+        for (i, r) in xs.iter_mut().enumerate() {
+            *r = t.x.add(i * ic);
+        }
+        let mut ws = [[t.w; 2]; P];
+        for (p, pair) in ws.iter_mut().enumerate() {
+            for (h, row) in pair.iter_mut().enumerate() {
+                *row = t.w.add((2 * p + h).min(t.cols - 1) * ic);
+            }
+        }
+        for j in 0..ic / 8 {
+            let k = 8 * j;
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                wv[p] = halves(
+                    _mm256_loadu_ps(ws[p][0].add(k)),
+                    _mm256_loadu_ps(ws[p][1].add(k)),
+                );
+            }
+            for (acc, x) in acc.iter_mut().zip(&xs) {
+                let xv = halves_of(_mm256_loadu_ps(x.add(k)));
+                for p in 0..P {
+                    acc[p] = _mm512_fmadd_ps(xv, wv[p], acc[p]);
+                }
+            }
+        }
+        let k = ic / 8 * 8;
+        if k < ic {
+            // The rest of the row with zeros past it, as `Avx2F32::load_partial` loads it.
+            let n = ic - k;
+            let mut wv = [_mm512_setzero_ps(); P];
+            for p in 0..P {
+                wv[p] = halves(
+                    Avx2F32::load_partial(ws[p][0].add(k), n).raw(),
+                    Avx2F32::load_partial(ws[p][1].add(k), n).raw(),
+                );
+            }
+            for r in 0..R {
+                let xv = halves_of(Avx2F32::load_partial(xs[r].add(k), n).raw());
+                for p in 0..P {
+                    acc[r][p] = _mm512_fmadd_ps(xv, wv[p], acc[r][p]);
+                }
+            }
+        }
+        // Each half summed across its lanes as the 8-lane kernel sums its vectors.
+        let mut v = [Avx2F32::zero(); 2 * DENSE_ROWS * DENSE_PAIRS];
+        for r in 0..R {
+            for p in 0..P {
+                let i = 2 * (r * P + p);
+                v[i] = Avx2F32::from_raw(_mm512_castps512_ps256(acc[r][p]));
+                v[i + 1] = Avx2F32::from_raw(_mm256_castpd_ps(_mm512_extractf64x4_pd::<1>(
+                    _mm512_castps_pd(acc[r][p]),
+                )));
+            }
+        }
+        let mut dots = [0f32; 2 * DENSE_ROWS * DENSE_PAIRS];
+        Avx2F32::sums(&v[..2 * R * P], &mut dots[..2 * R * P]);
+        for r in 0..R {
+            for c in 0..t.cols {
+                *t.y.add(r * t.ldy + c) = *t.bias.add(c) + dots[2 * r * P + c];
+            }
+        }
+    }
+
+    /// An 8-lane vector in both halves of a zmm register.
+    #[inline(always)]
+    unsafe fn halves_of(v: __m256) -> __m512 {
+        _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(v)))
     }
 }
 
@@ -486,6 +679,88 @@ mod tests {
         transforms_match::<F4x3>("F4x3");
         transforms_match::<F5x2>("F5x2");
         transforms_match::<F2x3S2>("F2x3S2");
+    }
+
+    /// The 8-lane dense kernel's dot products, one at a time: fused multiply-adds of whole
+    /// vectors from zero, the rest of the row with zeros past it, then the lanes summed.
+    #[cfg(target_arch = "x86_64")]
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn dense_reference(d: &Dense, x: &[f32], w: &[f32], bias: &[f32], y: &mut [f32]) {
+        use crate::simd::{Avx2F32, Simd};
+        for r in 0..d.rows {
+            for c in 0..d.cols {
+                let (xr, wc) = (x.as_ptr().add(r * d.ic), w.as_ptr().add(c * d.ic));
+                let mut acc = Avx2F32::zero();
+                let mut k = 0;
+                while k + 8 <= d.ic {
+                    acc = Avx2F32::fma(Avx2F32::load(xr.add(k)), Avx2F32::load(wc.add(k)), acc);
+                    k += 8;
+                }
+                if k < d.ic {
+                    let n = d.ic - k;
+                    let (xv, wv) = (
+                        Avx2F32::load_partial(xr.add(k), n),
+                        Avx2F32::load_partial(wc.add(k), n),
+                    );
+                    acc = Avx2F32::fma(xv, wv, acc);
+                }
+                y[r * d.ldy + c] = bias[c] + acc.sum();
+            }
+        }
+    }
+
+    #[test]
+    #[cfg(target_arch = "x86_64")]
+    fn wide_dense_gives_the_8_lane_bits() {
+        if !crate::simd::avx512() {
+            eprintln!("no AVX-512 on this CPU (or CONV2D_SIMD asks for narrower kernels): the wide dense kernel cannot run here");
+            return;
+        }
+        let mut rng = crate::Rng::seed_from_u64(9);
+        for ic in [1, 7, 8, 9, 100, 1024] {
+            for rows in [1, 2, 3, 8, 9, 17] {
+                for cols in [1, 2, 3, 4, 5, 13] {
+                    let d = Dense {
+                        ic,
+                        rows,
+                        cols,
+                        ldy: cols + 3,
+                    };
+                    let mut fill = |len: usize| -> Vec<f32> {
+                        (0..len).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
+                    };
+                    let (mut x, mut w, bias) = (fill(rows * ic), fill(cols * ic), fill(cols));
+                    // A NaN in one product, and a row of `x` of negative zeros (its sums
+                    // keep the sign of the zero they start from).
+                    w[(cols - 1) * ic] = f32::NAN;
+                    for v in &mut x[(rows - 1) * ic..] {
+                        *v = -0.0;
+                    }
+                    // The rows' gaps stay NaN: nothing is written past `cols`.
+                    let len = rows * d.ldy;
+                    let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
+                    // SAFETY: the buffers have the lengths `Dense` describes; the CPU has
+                    // AVX-512F, AVX-512VL, AVX2 and FMA (`avx512()`).
+                    unsafe {
+                        assert!(dense(
+                            &d,
+                            x.as_ptr(),
+                            w.as_ptr(),
+                            bias.as_ptr(),
+                            got.as_mut_ptr()
+                        ));
+                        dense_reference(&d, &x, &w, &bias, &mut want);
+                    }
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "ic {ic} rows {rows} cols {cols} at {i}"
+                        );
+                    }
+                }
+            }
+        }
     }
 
     #[test]

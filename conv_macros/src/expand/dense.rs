@@ -3,7 +3,9 @@
 //! which is OHWI here) instead of repacked:
 //!
 //! - forward: `y[b][o] = bias[o] + x[b] . w[o]`, dot products along the inputs in vectors,
-//!   `ROWS x COLS` of them per register tile, each summed across lanes once at the end;
+//!   `ROWS x COLS` of them per register tile, each summed across lanes once at the end (on
+//!   AVX-512, two per zmm register in larger tiles, `conv_runtime::wide::dense`: the same
+//!   bits);
 //! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
 //! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient.
 //!
@@ -245,6 +247,19 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // every row (the whole of `w` does not stay in L2 beside the gradients). One row
             // (one action) takes `WIDE` weight rows at a time, each read once.
             let (xp, wp) = (x.as_ptr(), w.as_ptr());
+            // Rows of the batch on AVX-512's registers where the CPU has them: the same bits.
+            if batch.len() > 1
+                && !channels.is_empty()
+                && __S::wide_dense(
+                    &#rt::wide::Dense { ic: __IC, rows: batch.len(), cols: channels.len(), ldy: __OC },
+                    xp.add(batch.start * __IC),
+                    wp.add(channels.start * __IC),
+                    b.as_ptr().add(channels.start),
+                    y.ptr(batch.start * __OC + channels.start),
+                )
+            {
+                return;
+            }
             let step = if batch.len() == 1 { #wide } else { #cols };
             let mut c0 = channels.start;
             while c0 < channels.end {

@@ -262,8 +262,9 @@ pub fn avx2_target() -> TokenStream {
 ///
 /// No AVX-512 instantiation: one of every AVX2 kernel with AVX-512VL's 32 registers ran no
 /// faster on any benchmarked layer or network (on Zen 4), and was one more copy of every kernel
-/// to compile. Only the Winograd products, which read 16 columns side by side, take AVX-512's
-/// wider registers, from a function compiled once in the runtime (`conv_runtime::wide`).
+/// to compile. Where AVX-512 pays, the kernels call functions compiled once in the runtime
+/// (`conv_runtime::wide`): the Winograd products and tile transforms, and the dense layers'
+/// forward dot products.
 pub fn dispatched(
     dtype: Dtype,
     name: &str,
