@@ -451,12 +451,17 @@ pub unsafe fn input<V: Variant, S: Simd>(
 }
 
 /// `A^T m A` of one vector of channels, element `e` of `m` at `m + e * stride`: the output
-/// tile, `[row][column]` (the first `M` of each).
+/// tile, `[row][column]` (the first `M` of each). The whole tile at once, as the tests hold the
+/// kernels' row-by-row transform ([`tiles::Output`]) to it.
 ///
 /// # Safety
 /// Every address read holds `S::LANES` elements.
+#[cfg(test)]
 #[inline(always)]
-pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [[S; MAX]; MAX] {
+pub(crate) unsafe fn output<V: Variant, S: Simd>(
+    m: *const S::Elem,
+    stride: usize,
+) -> [[S; MAX]; MAX] {
     let t = output_columns::<V, S>(m, stride);
     let mut y = [[S::zero(); MAX]; MAX];
     for i in 0..V::M {
@@ -465,12 +470,13 @@ pub unsafe fn output<V: Variant, S: Simd>(m: *const S::Elem, stride: usize) -> [
     y
 }
 
-/// `A^T m`, the first half of [`output`]: row `i` of the result, through `V::at`, is the
+/// `A^T m`, the first half of the output transform `A^T m A` of one vector of channels
+/// (element `e` of `m` at `m + e * stride`): row `i` of the result, through `V::at`, is the
 /// output tile's row `i`. Apart, so that a tile clipped at the map's edge transforms only the
 /// rows it stores.
 ///
 /// # Safety
-/// As [`output`].
+/// Every address read holds `S::LANES` elements.
 #[inline(always)]
 pub unsafe fn output_columns<V: Variant, S: Simd>(
     m: *const S::Elem,

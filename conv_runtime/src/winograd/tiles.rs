@@ -60,10 +60,10 @@ impl<E> Transform<E> for Input<E> {
     }
 }
 
-/// The output tile's epilogue: [`super::output`] (`A^T m A`, element `e` of `m` at
-/// `m + e * stride`) plus the bias, clamped at zero where `relu`, stored at
-/// `y + r * row + c * col` for its first `extent.0` rows and `extent.1` columns (the rest lie
-/// past the map's edge and are not transformed).
+/// The output tile's epilogue: the output transform `A^T m A` ([`super::output_columns`],
+/// then each row; element `e` of `m` at `m + e * stride`) plus the bias, clamped at zero where
+/// `relu`, stored at `y + r * row + c * col` for its first `extent.0` rows and `extent.1`
+/// columns (the rest lie past the map's edge and are not transformed).
 #[derive(Clone, Copy, Debug)]
 pub struct Output<E> {
     pub m: *const E,
