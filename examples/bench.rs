@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 // The suite: DQN "Nature" trunk (84x84 Atari frames) and its first dense layer (a 1x1
 // convolution of a 1x1 map: the generated dense kernels, oneDNN's inner product), a CIFAR stem,
-// a strided 16x16 layer, a tiny single-channel layer where per-call overhead dominates, and a
-// ResNet-50 body layer where arithmetic dominates. Training batch 32 (ResNet 8, to keep the run
+// a strided 16x16 layer, a tiny single-channel layer where per-call overhead dominates, a
+// ResNet-50 body layer where arithmetic dominates, and the IMPALA CNN's first residual layer (16
+// channels: Winograd products of one column group). Training batch 32 (ResNet 8, to keep the run
 // short).
 
 conv_runtime::conv2d! {
@@ -74,6 +75,12 @@ conv_runtime::conv2d! {
     pub struct Resnet {
         input: [56, 56, 64], out_channels: 64, kernel: 3, stride: 1, padding: 1, activation: Relu,
         batch: 8, dtype: f32,
+    }
+}
+conv_runtime::conv2d! {
+    pub struct Impala1 {
+        input: [32, 32, 16], out_channels: 16, kernel: 3, stride: 1, padding: 1, activation: Relu,
+        batch: 32, dtype: f32,
     }
 }
 conv_runtime::conv2d! {
@@ -285,6 +292,7 @@ fn run_suite(bench: &mut Bench) {
     shape!("bn16": Bn16 / Bn16Grads / Bn16State, eval_batches [1, 32]);
     shape!("tiny": Tiny / TinyGrads / TinyState, eval_batches [1, 32]);
     shape!("resnet": Resnet / ResnetGrads / ResnetState, eval_batches [1, 8]);
+    shape!("impala1": Impala1 / Impala1Grads / Impala1State, eval_batches [1, 32]);
     // BatchNorm's cost is in training (statistics and their backward); inference applies it to
     // each tile in cache, so one evaluate row is enough to see what it costs.
     shape!("nature2_bn": Nature2Bn / Nature2BnGrads / Nature2BnState, eval_batches [32]);

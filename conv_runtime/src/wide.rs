@@ -1,5 +1,5 @@
-//! The Winograd layers' matrix products and tile transforms on AVX-512's 16-lane registers,
-//! where the CPU has them.
+//! The Winograd layers' matrix products and tile transforms, and the dense layers' forward dot
+//! products, on AVX-512's registers where the CPU has them.
 //!
 //! Generated kernels are written for 8-lane vectors, so that their blocking and the packed
 //! weights are the same on every x86-64 CPU. A Winograd layer spends most of its time in the
@@ -13,6 +13,10 @@
 //! The tile transforms around the products ([`crate::winograd::tiles`]) are lane-wise: each
 //! channel's arithmetic is the same whatever the vector's width, so [`channels`] runs a tile's
 //! channels 16 at a time (8 for the rest) through the same code, one call per tile.
+//!
+//! A dense layer's forward pass sums dot products across the lanes of 8-lane vectors; [`dense`]
+//! keeps those vectors, two to a zmm register, in a larger register tile than 16 ymm registers
+//! allow.
 
 use crate::winograd::tiles::Transform;
 use crate::winograd::Variant;
@@ -102,9 +106,9 @@ pub struct Dense {
 /// did. Each zmm register holds two of the 8-lane kernel's dot products, one per half (rows
 /// `c` and `c + 1` of the weights against a row of `x` broadcast to both halves), so each lane
 /// adds the same products in the same order, and the halves are summed across their lanes as
-/// the 8-lane kernel sums its vectors: the same bits. Their use is the register tile: 16 such
-/// accumulators (8 rows by 4 output channels) against the 8-lane kernel's 12 dot products,
-/// which leave it bound by its loads.
+/// the 8-lane kernel sums its vectors: the same bits. The gain is the register tile that 32
+/// registers allow: 16 such accumulators (8 rows by 4 output channels), 32 dot products in
+/// flight against the 8-lane kernel's 12.
 ///
 /// # Safety
 /// `x` holds `d.rows` rows and `w` holds `d.cols` rows, `d.ic` apart; `bias` holds `d.cols`
@@ -196,6 +200,9 @@ mod avx512 {
 
     /// Rows per register tile: as the AVX2 tiles, each row's pointer needs a register.
     const ROWS: usize = 6;
+    /// Rows per register tile where a chunk has one column group (16 output channels or
+    /// fewer): 12 accumulators, where 6 would leave the multiply-adds waiting on each other.
+    const ROWS_ONE_GROUP: usize = 12;
 
     /// 16 output columns of one block: where `w` starts, its row stride, which lanes exist.
     #[derive(Clone, Copy)]
@@ -214,9 +221,10 @@ mod avx512 {
                 w.add(e * p.k * p.n),
                 o.add(e * p.rows * p.n),
             );
+            let tile = if p.n <= 16 { ROWS_ONE_GROUP } else { ROWS };
             let mut row = 0;
             while row < count {
-                let rows = (count - row).min(ROWS);
+                let rows = (count - row).min(tile);
                 let (ar, or) = (ae.add(row * p.k), oe.add(row * p.n));
                 // Two column groups per tile (each broadcast feeds two multiply-adds), in the
                 // order of the blocks.
@@ -254,6 +262,12 @@ mod avx512 {
         o: *mut f32,
     ) {
         match rows {
+            12 => tile::<12, Z>(a, p.k, w, c, o, p.n),
+            11 => tile::<11, Z>(a, p.k, w, c, o, p.n),
+            10 => tile::<10, Z>(a, p.k, w, c, o, p.n),
+            9 => tile::<9, Z>(a, p.k, w, c, o, p.n),
+            8 => tile::<8, Z>(a, p.k, w, c, o, p.n),
+            7 => tile::<7, Z>(a, p.k, w, c, o, p.n),
             6 => tile::<6, Z>(a, p.k, w, c, o, p.n),
             5 => tile::<5, Z>(a, p.k, w, c, o, p.n),
             4 => tile::<4, Z>(a, p.k, w, c, o, p.n),
@@ -298,8 +312,9 @@ mod avx512 {
             }
         }
     }
-    /// Rows and pairs of output channels of a dense register tile: 16 accumulators, 8 rows of
-    /// `x` broadcast and 2 pairs of weight rows, 26 of the 32 registers.
+
+    /// Rows and pairs of output channels of a dense register tile: 16 accumulators, a pair of
+    /// weight rows per 2 of them, one row of `x` broadcast at a time.
     const DENSE_ROWS: usize = 8;
     const DENSE_PAIRS: usize = 2;
 
