@@ -245,13 +245,37 @@ mod avx512 {
                     }
                 }
                 if let Some(last) = pending {
-                    tile_rows::<1>(rows, ar, p, we, [last, last], or);
+                    one_group_rows(rows, ar, p, we, last, or);
                 }
                 row += rows;
             }
         }
     }
 
+    /// A tile of one column group: up to `ROWS_ONE_GROUP` rows (only a chunk with one group
+    /// has more than `ROWS`).
+    #[inline(always)]
+    unsafe fn one_group_rows(
+        rows: usize,
+        a: *const f32,
+        p: &Product,
+        w: *const f32,
+        c: Columns,
+        o: *mut f32,
+    ) {
+        let c = [c, c];
+        match rows {
+            12 => tile::<12, 1>(a, p.k, w, c, o, p.n),
+            11 => tile::<11, 1>(a, p.k, w, c, o, p.n),
+            10 => tile::<10, 1>(a, p.k, w, c, o, p.n),
+            9 => tile::<9, 1>(a, p.k, w, c, o, p.n),
+            8 => tile::<8, 1>(a, p.k, w, c, o, p.n),
+            7 => tile::<7, 1>(a, p.k, w, c, o, p.n),
+            _ => tile_rows::<1>(rows, a, p, w, c, o),
+        }
+    }
+
+    /// A tile of up to `ROWS` rows by `Z` column groups.
     #[inline(always)]
     unsafe fn tile_rows<const Z: usize>(
         rows: usize,
@@ -262,12 +286,6 @@ mod avx512 {
         o: *mut f32,
     ) {
         match rows {
-            12 => tile::<12, Z>(a, p.k, w, c, o, p.n),
-            11 => tile::<11, Z>(a, p.k, w, c, o, p.n),
-            10 => tile::<10, Z>(a, p.k, w, c, o, p.n),
-            9 => tile::<9, Z>(a, p.k, w, c, o, p.n),
-            8 => tile::<8, Z>(a, p.k, w, c, o, p.n),
-            7 => tile::<7, Z>(a, p.k, w, c, o, p.n),
             6 => tile::<6, Z>(a, p.k, w, c, o, p.n),
             5 => tile::<5, Z>(a, p.k, w, c, o, p.n),
             4 => tile::<4, Z>(a, p.k, w, c, o, p.n),
