@@ -20,6 +20,10 @@
 //! `OneDnn` device right after the `Cpu` one (backend `onednn`: its convolutions, inner products
 //! and average pooling in oneDNN, the rest generated code; Adam on a `Cpu` of the same thread
 //! count), and a table of oneDNN's time over ours follows; `--no-onednn` leaves it out.
+//!
+//! `--flush-denormals` runs everything with denormal numbers flushed to zero
+//! (`conv_runtime::denormals`, as `torch.set_flush_denormal(True)`): on Intel cores it shows what
+//! the optimizer's denormal running means cost the default, exact mode.
 
 use std::hint::black_box;
 use std::process::ExitCode;
@@ -439,6 +443,7 @@ fn main() -> ExitCode {
     let mut threads = vec![1];
     let mut filter = None;
     let mut onednn = cfg!(feature = "onednn");
+    let mut flush = false;
     let mut args = std::env::args().skip(1);
     while let Some(arg) = args.next() {
         match arg.as_str() {
@@ -454,13 +459,28 @@ fn main() -> ExitCode {
                 }
             },
             "--no-onednn" => onednn = false,
+            "--flush-denormals" => flush = true,
             "--help" | "-h" => {
-                println!("usage: bench_networks [--threads 1,2] [--no-onednn] [NAME_FILTER]");
+                println!(
+                    "usage: bench_networks [--threads 1,2] [--no-onednn] [--flush-denormals] \
+                     [NAME_FILTER]"
+                );
                 return ExitCode::SUCCESS;
             }
             other => filter = Some(other.to_string()),
         }
     }
+    // Held for the whole run: every device call flushes, on all of its threads.
+    let _flush = match flush
+        .then(conv_runtime::denormals::FlushToZero::on)
+        .transpose()
+    {
+        Ok(guard) => guard,
+        Err(e) => {
+            eprintln!("bench_networks: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
     let rows = match run(&threads, filter.as_deref(), onednn) {
         Ok(rows) => rows,
         Err(e) => {
@@ -512,8 +532,8 @@ fn main() -> ExitCode {
     }
     for r in &rows {
         println!(
-            "BENCH_JSON {{\"network\":\"{}\",\"op\":\"{}\",\"batch\":{},\"backend\":\"{}\",\"threads\":{},\"us\":{:.2},\"spread\":{:.4}}}",
-            r.network, r.op, r.batch, r.backend, r.threads, r.us, r.spread
+            "BENCH_JSON {{\"network\":\"{}\",\"op\":\"{}\",\"batch\":{},\"backend\":\"{}\",\"threads\":{},\"us\":{:.2},\"spread\":{:.4},\"flush_denormals\":{}}}",
+            r.network, r.op, r.batch, r.backend, r.threads, r.us, r.spread, flush
         );
     }
     ExitCode::SUCCESS

@@ -4,7 +4,9 @@
 //! two dense layers' evaluate, training forward and backward pass (whose input gradient is a
 //! product too) run here, and again in a copy of this test run with
 //! `CONV2D_SIMD=avx2` (the choice is made once per process); every value must match bit for
-//! bit. (A test binary of its own: the copy is this binary, run with a filter.)
+//! bit. Adam's and RMSprop's steps run on AVX-512 too: their running means are driven denormal
+//! here, and the steps' bits must match as well. (A test binary of its own: the copy is this
+//! binary, run with a filter.)
 
 use conv_runtime::prelude::*;
 
@@ -72,9 +74,68 @@ bits_of_specs! {
         32): { input: [1, 1, 1024], out_channels: 128, kernel: 1 },
 }
 
+/// Adam and each kind of RMSprop step the dense layer 200 times, and the parameters' bits
+/// follow. A third of the gradients are zero from the start, a third are zero after 50 steps
+/// (their running means decay through the denormals) and a third are tiny (1e-17 to 1e-21:
+/// their squares are denormal or underflow to zero). Half the parameters start near the
+/// denormals, where steps of that size change them (flushing denormals to zero changes these
+/// bits).
+fn optimizer_bits() -> Vec<u32> {
+    let mut bits = Vec::new();
+    for variant in 0..5 {
+        let mut rng = Rng::seed_from_u64(3);
+        let mut layer = Dense::new(&mut rng);
+        let mut adam = Adam::new(1e-3f32);
+        let mut rmsprop = match variant {
+            1 => RmsProp::new(2.5e-4f32),
+            2 => RmsProp::new(2.5e-4f32)
+                .with_centered(true)
+                .with_alpha(0.95)
+                .with_eps(0.01),
+            3 => RmsProp::new(1e-3f32).with_momentum(0.9).with_alpha(0.3),
+            _ => RmsProp::new(1e-3f32)
+                .with_centered(true)
+                .with_momentum(0.5)
+                .with_weight_decay(1e-2),
+        };
+        // Parameters near the denormals too, so that steps of denormal size show in them.
+        for part in [layer.weights.as_mut_slice(), layer.biases.as_mut_slice()] {
+            for (i, w) in part.iter_mut().enumerate() {
+                if i % 2 == 0 {
+                    *w *= 1e-36;
+                }
+            }
+        }
+        let mut grads = DenseGrads::zeros();
+        for step in 0..200 {
+            for part in [grads.weights.as_mut_slice(), grads.biases.as_mut_slice()] {
+                for (i, g) in part.iter_mut().enumerate() {
+                    let u = rng.uniform(-1.0, 1.0) as f32;
+                    *g = match i % 3 {
+                        0 => 0.0,
+                        1 if step >= 50 => 0.0,
+                        1 => u,
+                        _ => u * 10f32.powi(-17 - (i as i32 / 3) % 5),
+                    };
+                }
+            }
+            if variant == 0 {
+                adam.step(&mut layer, &grads);
+            } else {
+                rmsprop.step(&mut layer, &grads);
+            }
+        }
+        for part in [layer.weights.as_slice(), layer.biases.as_slice()] {
+            bits.extend(part.iter().map(|v| v.to_bits()));
+        }
+    }
+    bits
+}
+
 #[test]
 fn wide_kernels_give_the_same_bits_on_avx512_and_avx2() {
-    let bits = all_bits();
+    let mut bits = all_bits();
+    bits.extend(optimizer_bits());
     if let Some(path) = std::env::var_os(OUT_VAR) {
         // The copy: write, and let the parent compare.
         let bytes: Vec<u8> = bits.iter().flat_map(|b| b.to_le_bytes()).collect();
