@@ -74,7 +74,7 @@ bits_of_specs! {
         32): { input: [1, 1, 1024], out_channels: 128, kernel: 1 },
 }
 
-/// Adam and each kind of RMSprop step the dense layer 200 times, and the parameters' bits
+/// Adam, each kind of RMSprop and SGD with momentum step the dense layer 200 times, and the parameters' bits
 /// follow. A third of the gradients are zero from the start, a third are zero after 50 steps
 /// (their running means decay through the denormals) and a third are tiny (1e-17 to 1e-21:
 /// their squares are denormal or underflow to zero). Half the parameters start near the
@@ -82,10 +82,19 @@ bits_of_specs! {
 /// bits).
 fn optimizer_bits() -> Vec<u32> {
     let mut bits = Vec::new();
-    for variant in 0..5 {
+    for variant in 0..7 {
         let mut rng = Rng::seed_from_u64(3);
         let mut layer = Dense::new(&mut rng);
         let mut adam = Adam::new(1e-3f32);
+        let mut sgd = match variant {
+            5 => Sgd::new(1e-2f32).with_momentum(0.9),
+            _ => {
+                let mut sgd = Sgd::new(1e-2f32).with_momentum(0.5).with_weight_decay(1e-3);
+                sgd.dampening = 0.1;
+                sgd.nesterov = true;
+                sgd
+            }
+        };
         let mut rmsprop = match variant {
             1 => RmsProp::new(2.5e-4f32),
             2 => RmsProp::new(2.5e-4f32)
@@ -119,10 +128,10 @@ fn optimizer_bits() -> Vec<u32> {
                     };
                 }
             }
-            if variant == 0 {
-                adam.step(&mut layer, &grads);
-            } else {
-                rmsprop.step(&mut layer, &grads);
+            match variant {
+                0 => adam.step(&mut layer, &grads),
+                5 | 6 => sgd.step(&mut layer, &grads),
+                _ => rmsprop.step(&mut layer, &grads),
             }
         }
         for part in [layer.weights.as_slice(), layer.biases.as_slice()] {

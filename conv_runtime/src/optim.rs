@@ -250,22 +250,16 @@ impl<A: Real> Sgd<A> {
         );
         let first = self.state.step == 0;
         self.state.step += 1;
-        self.state.apply(params, grads, pool, (false, false), &|p| {
-            let (values, grad, m) = (p.values, p.grad, p.m);
-            for i in 0..values.len() {
-                let mut g = grad[i] + wd * values[i];
-                if momentum != A::zero() {
-                    let buf = &mut m[i];
-                    *buf = if first {
-                        g
-                    } else {
-                        momentum * *buf + (A::ONE - dampening) * g
-                    };
-                    g = if nesterov { g + momentum * *buf } else { *buf };
-                }
-                values[i] -= lr * g;
-            }
-        });
+        let k = SgdStep {
+            lr,
+            momentum,
+            dampening,
+            wd,
+            nesterov,
+            first,
+        };
+        self.state
+            .apply(params, grads, pool, (false, false), &|p| sgd_update(p, &k));
     }
 
     /// One step on parameters that live on the GPU, with the same arithmetic as [`Sgd::step`]
@@ -639,6 +633,142 @@ impl<A: Real> RmsProp<A> {
     }
 }
 
+/// Elements per run of an optimizer's loop: one 512-bit vector of f32. A run where any element
+/// is near the denormals takes the [`Exact`](crate::element::exact::Exact) operations (the same
+/// bits without microcode assists, slower than plain ones when there are none), the others the
+/// plain ones. With one flag for the whole run and the run's length a constant, each kind of
+/// run is straight-line vector code.
+const RUN: usize = 16;
+
+/// Products of two values of at least 2^-50 and a constant of at least 2^-20 stay clear of the
+/// denormals (2^-126): below that bound a gradient, a parameter or a running mean (other than
+/// of squares) counts as near them.
+const NEAR: i32 = -50;
+
+/// Running means of squares enter products with constants only, and square roots: they count
+/// as near the denormals below 2^-100 (whole layers' squared gradients lie below [`NEAR`]).
+const NEAR_SQUARES: i32 = -100;
+
+/// Whether any of `xs` is nonzero and below 2^`exponent` ([`NEAR`], [`NEAR_SQUARES`]). Only
+/// speed depends on it: both kinds of run give the same bits.
+#[inline(always)]
+fn near<A: Real>(xs: &[A], exponent: i32) -> bool {
+    xs.iter().fold(false, |any, x| any | x.below(exponent))
+}
+
+/// `a * b`, [`Exact`](crate::element::exact::Exact) or plain. `exact` is a constant where it
+/// is inlined.
+#[inline(always)]
+fn mul<A: Real>(exact: bool, a: A, b: A) -> A {
+    if exact {
+        a.mul_exact(b)
+    } else {
+        a * b
+    }
+}
+
+/// `a / b`, as [`mul`].
+#[inline(always)]
+fn div<A: Real>(exact: bool, a: A, b: A) -> A {
+    if exact {
+        a.div_exact(b)
+    } else {
+        a / b
+    }
+}
+
+/// The square root, as [`mul`].
+#[inline(always)]
+fn sqrt<A: Real>(exact: bool, a: A) -> A {
+    if exact {
+        a.sqrt_exact()
+    } else {
+        a.sqrt()
+    }
+}
+
+/// The scalars of one SGD step.
+struct SgdStep<A> {
+    lr: A,
+    momentum: A,
+    dampening: A,
+    wd: A,
+    nesterov: bool,
+    /// The first step (the momentum buffer starts as the gradient).
+    first: bool,
+}
+
+/// One SGD step over one tensor, dispatched as [`adam_update`] (the same bits at every width).
+fn sgd_update<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+    /// One element, the multiplications [`Exact`](crate::element::exact::Exact) or plain.
+    #[inline(always)]
+    fn element<A: Real, const EXACT: bool>(value: &mut A, grad: A, buf: &mut A, k: &SgdStep<A>) {
+        let mut g = grad + mul(EXACT, k.wd, *value);
+        if k.momentum != A::zero() {
+            *buf = if k.first {
+                g
+            } else {
+                mul(EXACT, k.momentum, *buf) + mul(EXACT, A::ONE - k.dampening, g)
+            };
+            g = if k.nesterov {
+                g + mul(EXACT, k.momentum, *buf)
+            } else {
+                *buf
+            };
+        }
+        *value -= mul(EXACT, k.lr, g);
+    }
+    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
+    /// denormals.
+    #[inline(always)]
+    fn span<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], k: &SgdStep<A>) {
+        let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR);
+        macro_rules! each {
+            ($exact:literal) => {
+                for ((value, &grad), buf) in values.iter_mut().zip(grad).zip(m) {
+                    element::<A, $exact>(value, grad, buf, k);
+                }
+            };
+        }
+        if exact {
+            each!(true)
+        } else {
+            each!(false)
+        }
+    }
+    #[inline(always)]
+    fn run<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+        let n = p.values.len();
+        let (values, values_tail) = p.values.as_chunks_mut::<RUN>();
+        let (grad, grad_tail) = p.grad[..n].as_chunks::<RUN>();
+        let (m, m_tail) = p.m[..n].as_chunks_mut::<RUN>();
+        for ((values, grad), m) in values.iter_mut().zip(grad).zip(m) {
+            span(values, grad, m, k);
+        }
+        span(values_tail, grad_tail, m_tail, k);
+    }
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn run_avx2<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+            run(p, k)
+        }
+        #[target_feature(enable = "avx512f,avx512vl,avx2")]
+        unsafe fn run_avx512<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+            run(p, k)
+        }
+        if crate::simd::avx512() {
+            // SAFETY: the CPU has AVX-512F and VL.
+            return unsafe { run_avx512(p, k) };
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { run_avx2(p, k) };
+        }
+    }
+    run(p, k)
+}
+
 /// The scalars of one RMSprop step.
 struct RmsPropStep<A> {
     lr: A,
@@ -663,21 +793,56 @@ struct AdamStep<A> {
 }
 
 /// One Adam step over one tensor (slices of one length). Dispatched to an AVX-512 or AVX2
-/// instantiation where the CPU has it, as [`rmsprop_update`]: the same arithmetic per element,
-/// operation for operation (no FMA contraction), so the bits are those of the scalar loop and of
-/// the GPU.
+/// instantiation where the CPU has it, and exact near the denormals, as [`rmsprop_update`]: the
+/// same arithmetic per element, operation for operation (no FMA contraction), so the bits are
+/// those of the scalar loop and of the GPU.
 fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+    /// One element, the multiplications, divisions and square root
+    /// [`Exact`](crate::element::exact::Exact) or plain.
+    #[inline(always)]
+    fn element<A: Real, const EXACT: bool>(
+        value: &mut A,
+        grad: A,
+        m: &mut A,
+        v: &mut A,
+        k: &AdamStep<A>,
+    ) {
+        let g = grad + mul(EXACT, k.wd, *value);
+        *m = mul(EXACT, k.b1, *m) + mul(EXACT, A::ONE - k.b1, g);
+        *v = mul(EXACT, k.b2, *v) + mul(EXACT, mul(EXACT, A::ONE - k.b2, g), g);
+        // The square root of a denormal is at least 2^-75: the division needs no care.
+        let denom = sqrt(EXACT, *v) / k.correction2_sqrt + k.eps;
+        *value -= div(EXACT, mul(EXACT, k.step_size, *m), denom);
+    }
+    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
+    /// denormals.
+    #[inline(always)]
+    fn span<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
+        let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR) | near(v, NEAR_SQUARES);
+        macro_rules! each {
+            ($exact:literal) => {
+                for (((value, &grad), m), v) in values.iter_mut().zip(grad).zip(m).zip(v) {
+                    element::<A, $exact>(value, grad, m, v, k);
+                }
+            };
+        }
+        if exact {
+            each!(true)
+        } else {
+            each!(false)
+        }
+    }
     #[inline(always)]
     fn run<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
         let n = p.values.len();
-        let (values, grad, m, v) = (p.values, &p.grad[..n], &mut p.m[..n], &mut p.v[..n]);
-        for i in 0..n {
-            let g = grad[i] + k.wd * values[i];
-            m[i] = k.b1 * m[i] + (A::ONE - k.b1) * g;
-            v[i] = k.b2 * v[i] + (A::ONE - k.b2) * g * g;
-            let denom = v[i].sqrt() / k.correction2_sqrt + k.eps;
-            values[i] -= k.step_size * m[i] / denom;
+        let (values, values_tail) = p.values.as_chunks_mut::<RUN>();
+        let (grad, grad_tail) = p.grad[..n].as_chunks::<RUN>();
+        let (m, m_tail) = p.m[..n].as_chunks_mut::<RUN>();
+        let (v, v_tail) = p.v[..n].as_chunks_mut::<RUN>();
+        for (((values, grad), m), v) in values.iter_mut().zip(grad).zip(m).zip(v) {
+            span(values, grad, m, v, k);
         }
+        span(values_tail, grad_tail, m_tail, v_tail, k);
     }
     #[cfg(target_arch = "x86_64")]
     {
@@ -705,52 +870,113 @@ fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
 /// `MOMENTUM` (a momentum buffer), `SMALL` (`at::native::lerp`'s branch for a weight below 0.5).
 /// Dispatched to an AVX-512 or AVX2 instantiation where the CPU has it: each element's
 /// arithmetic is the same, operation for operation, in each (no FMA contraction), so steps stay
-/// bit-identical to the GPU's. The widest counts on Intel cores, which take a microcode assist
-/// for each instruction with a denormal operand or result (decaying running means make them,
-/// see [`crate::denormals`]): 16 lanes an instruction pay half the assists of 8.
+/// bit-identical to the GPU's. Running means decay into the denormals where gradients stay
+/// zero, and Intel cores take a microcode assist for each instruction with a denormal operand
+/// or result: runs of elements near them take the [`Exact`](crate::element::exact::Exact)
+/// operations ([`RUN`]), which give the same bits without assists.
 fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
     s: Part<'_, A>,
     k: &RmsPropStep<A>,
 ) {
+    /// One element, the multiplications, divisions and square root
+    /// [`Exact`](crate::element::exact::Exact) or plain. `m` and `mean` are read only where
+    /// kept (`MOMENTUM`, `CENTERED`).
+    #[inline(always)]
+    fn element<
+        A: Real,
+        const CENTERED: bool,
+        const MOMENTUM: bool,
+        const SMALL: bool,
+        const EXACT: bool,
+    >(
+        value: &mut A,
+        grad: A,
+        v: &mut A,
+        m: &mut A,
+        mean: &mut A,
+        k: &RmsPropStep<A>,
+    ) {
+        let g = grad + mul(EXACT, k.wd, *value);
+        let vi = mul(EXACT, k.alpha, *v) + mul(EXACT, mul(EXACT, k.weight, g), g);
+        *v = vi;
+        let root = if CENTERED {
+            let mi = *mean;
+            // at::native::lerp, with its branch for numerical accuracy.
+            let mi = if SMALL {
+                mi + mul(EXACT, k.weight, g - mi)
+            } else {
+                g - mul(EXACT, g - mi, A::ONE - k.weight)
+            };
+            *mean = mi;
+            sqrt(EXACT, vi - mul(EXACT, mi, mi))
+        } else {
+            sqrt(EXACT, vi)
+        };
+        let avg = root + k.eps;
+        if MOMENTUM {
+            let buf = mul(EXACT, k.momentum, *m) + div(EXACT, g, avg);
+            *m = buf;
+            *value -= mul(EXACT, k.lr, buf);
+        } else {
+            *value -= mul(EXACT, k.lr, div(EXACT, g, avg));
+        }
+    }
+    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
+    /// denormals. `mean` is empty unless `CENTERED`.
+    #[inline(always)]
+    fn span<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+        values: &mut [A],
+        grad: &[A],
+        v: &mut [A],
+        m: &mut [A],
+        mean: &mut [A],
+        k: &RmsPropStep<A>,
+    ) {
+        let exact = near(values, NEAR)
+            | near(grad, NEAR)
+            | near(v, NEAR_SQUARES)
+            | (MOMENTUM && near(m, NEAR))
+            | (CENTERED && near(mean, NEAR));
+        let mut unused = A::zero();
+        macro_rules! each {
+            ($exact:literal) => {
+                for i in 0..values.len() {
+                    let mean = if CENTERED { &mut mean[i] } else { &mut unused };
+                    element::<A, CENTERED, MOMENTUM, SMALL, $exact>(
+                        &mut values[i],
+                        grad[i],
+                        &mut v[i],
+                        &mut m[i],
+                        mean,
+                        k,
+                    );
+                }
+            };
+        }
+        if exact {
+            each!(true)
+        } else {
+            each!(false)
+        }
+    }
     #[inline(always)]
     fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
         s: Part<'_, A>,
         k: &RmsPropStep<A>,
     ) {
         let n = s.values.len();
-        let (values, grad, v, m) = (
-            &mut s.values[..n],
-            &s.grad[..n],
-            &mut s.v[..n],
-            &mut s.m[..n],
-        );
+        let (values, values_tail) = s.values.as_chunks_mut::<RUN>();
+        let (grad, grad_tail) = s.grad[..n].as_chunks::<RUN>();
+        let (v, v_tail) = s.v[..n].as_chunks_mut::<RUN>();
+        let (m, m_tail) = s.m[..n].as_chunks_mut::<RUN>();
         let mean: &mut [A] = if CENTERED { &mut s.mean[..n] } else { &mut [] };
-        for i in 0..n {
-            let g = grad[i] + k.wd * values[i];
-            let vi = k.alpha * v[i] + k.weight * g * g;
-            v[i] = vi;
-            let root = if CENTERED {
-                let mi = mean[i];
-                // at::native::lerp, with its branch for numerical accuracy.
-                let mi = if SMALL {
-                    mi + k.weight * (g - mi)
-                } else {
-                    g - (g - mi) * (A::ONE - k.weight)
-                };
-                mean[i] = mi;
-                (vi - mi * mi).sqrt()
-            } else {
-                vi.sqrt()
-            };
-            let avg = root + k.eps;
-            if MOMENTUM {
-                let buf = k.momentum * m[i] + g / avg;
-                m[i] = buf;
-                values[i] -= k.lr * buf;
-            } else {
-                values[i] -= k.lr * (g / avg);
-            }
+        let (means, mean_tail) = mean.as_chunks_mut::<RUN>();
+        let runs = values.iter_mut().zip(grad).zip(v.iter_mut().zip(m));
+        for (r, ((values, grad), (v, m))) in runs.enumerate() {
+            let mean: &mut [A] = if CENTERED { &mut means[r] } else { &mut [] };
+            span::<A, CENTERED, MOMENTUM, SMALL>(values, grad, v, m, mean, k);
         }
+        span::<A, CENTERED, MOMENTUM, SMALL>(values_tail, grad_tail, v_tail, m_tail, mean_tail, k);
     }
     #[cfg(target_arch = "x86_64")]
     {
@@ -1094,5 +1320,161 @@ mod tests {
             sgd.step(&mut b, &g);
         }
         assert!((b.x.as_slice()[0].to_f32() - 0.9).abs() < 0.01);
+    }
+
+    /// Arrays for one step: values, gradients and three states, a third of each in or near the
+    /// denormals, a third zero, the rest ordinary (100 elements: six runs and a tail).
+    fn denormal_heavy(seed: u64) -> [Vec<f32>; 5] {
+        use rand::{Rng, SeedableRng};
+        let mut rng = rand_chacha::ChaCha8Rng::seed_from_u64(seed);
+        std::array::from_fn(|_| {
+            (0..100)
+                .map(|_| {
+                    let x = match rng.random_range(0..6) {
+                        0 => f32::from_bits(rng.random_range(1..64)),
+                        1 => f32::from_bits(rng.random_range(1..1 << 23)),
+                        2 => rng.random_range(1e-37f32..1e-20),
+                        3 | 4 => 0.0,
+                        _ => rng.random_range(-1f32..1.0),
+                    };
+                    if rng.random() {
+                        -x
+                    } else {
+                        x
+                    }
+                })
+                .collect()
+        })
+    }
+
+    /// Runs `update` on copies of `arrays` (values, grad, m, v, mean) and returns them.
+    fn stepped(arrays: &[Vec<f32>; 5], update: impl Fn(Part<'_, f32>)) -> [Vec<f32>; 5] {
+        let [mut values, grad, mut m, mut v, mut mean] = arrays.clone();
+        update(Part {
+            values: &mut values,
+            grad: &grad,
+            m: &mut m,
+            v: &mut v,
+            mean: &mut mean,
+        });
+        [values, grad, m, v, mean]
+    }
+
+    fn assert_same_bits(a: &[Vec<f32>; 5], b: &[Vec<f32>; 5], what: &str) {
+        for (x, y) in a.iter().zip(b) {
+            let differ = x.iter().zip(y).filter(|(p, q)| p.to_bits() != q.to_bits());
+            assert_eq!(differ.count(), 0, "{what}");
+        }
+    }
+
+    /// The steps with their exact operations near the denormals give the bits of the plain
+    /// formulas (PyTorch's, operation for operation), states and parameters alike.
+    #[test]
+    fn steps_near_the_denormals_give_the_plain_bits() {
+        for seed in 0..20 {
+            let arrays = denormal_heavy(seed);
+            let adam = AdamStep {
+                b1: 0.9f32,
+                b2: 0.999,
+                eps: 1e-8,
+                wd: if seed % 2 == 0 { 0.0 } else { 1e-2 },
+                correction2_sqrt: 0.3,
+                step_size: 1e-3,
+            };
+            let ours = stepped(&arrays, |p| adam_update(p, &adam));
+            let plain = stepped(&arrays, |p| {
+                let k = &adam;
+                for i in 0..p.values.len() {
+                    let g = p.grad[i] + k.wd * p.values[i];
+                    p.m[i] = k.b1 * p.m[i] + (1.0 - k.b1) * g;
+                    p.v[i] = k.b2 * p.v[i] + (1.0 - k.b2) * g * g;
+                    let denom = p.v[i].sqrt() / k.correction2_sqrt + k.eps;
+                    p.values[i] -= k.step_size * p.m[i] / denom;
+                }
+            });
+            assert_same_bits(&ours, &plain, "adam");
+
+            let rms = RmsPropStep {
+                lr: 2.5e-4f32,
+                alpha: 0.95,
+                eps: 0.01,
+                wd: adam.wd,
+                momentum: 0.9,
+                weight: 0.05,
+            };
+            fn plain_rmsprop<const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+                p: Part<'_, f32>,
+                k: &RmsPropStep<f32>,
+            ) {
+                for i in 0..p.values.len() {
+                    let g = p.grad[i] + k.wd * p.values[i];
+                    let vi = k.alpha * p.v[i] + k.weight * g * g;
+                    p.v[i] = vi;
+                    let root = if CENTERED {
+                        let mi = p.mean[i];
+                        let mi = if SMALL {
+                            mi + k.weight * (g - mi)
+                        } else {
+                            g - (g - mi) * (1.0 - k.weight)
+                        };
+                        p.mean[i] = mi;
+                        (vi - mi * mi).sqrt()
+                    } else {
+                        vi.sqrt()
+                    };
+                    let avg = root + k.eps;
+                    if MOMENTUM {
+                        let buf = k.momentum * p.m[i] + g / avg;
+                        p.m[i] = buf;
+                        p.values[i] -= k.lr * buf;
+                    } else {
+                        p.values[i] -= k.lr * (g / avg);
+                    }
+                }
+            }
+            macro_rules! rmsprop {
+                ($c:literal, $m:literal, $s:literal) => {
+                    let ours = stepped(&arrays, |p| rmsprop_update::<f32, $c, $m, $s>(p, &rms));
+                    let plain = stepped(&arrays, |p| plain_rmsprop::<$c, $m, $s>(p, &rms));
+                    assert_same_bits(&ours, &plain, stringify!(rmsprop $c $m $s));
+                };
+            }
+            rmsprop!(false, false, true);
+            rmsprop!(true, false, true);
+            rmsprop!(true, false, false);
+            rmsprop!(false, true, true);
+            rmsprop!(true, true, false);
+
+            for (first, nesterov) in [(false, false), (false, true), (true, false)] {
+                let sgd = SgdStep {
+                    lr: 1e-2f32,
+                    momentum: 0.9,
+                    dampening: 0.1,
+                    wd: adam.wd,
+                    nesterov,
+                    first,
+                };
+                let ours = stepped(&arrays, |p| sgd_update(p, &sgd));
+                let plain = stepped(&arrays, |p| {
+                    let k = &sgd;
+                    for i in 0..p.values.len() {
+                        let mut g = p.grad[i] + k.wd * p.values[i];
+                        let buf = &mut p.m[i];
+                        *buf = if k.first {
+                            g
+                        } else {
+                            k.momentum * *buf + (1.0 - k.dampening) * g
+                        };
+                        g = if k.nesterov {
+                            g + k.momentum * *buf
+                        } else {
+                            *buf
+                        };
+                        p.values[i] -= k.lr * g;
+                    }
+                });
+                assert_same_bits(&ours, &plain, "sgd");
+            }
+        }
     }
 }

@@ -42,10 +42,11 @@
 //! episodes beats the random policy's. The full run passes when it does, too.
 //!
 //! `--flush-denormals` flushes denormal numbers to zero (`conv_runtime::denormals`; PyTorch's
-//! `torch.set_flush_denormal(True)`): on Intel cores RMSprop's running means of parameters whose
-//! gradient stays zero settle on denormals that cost microcode assists every step. Faster
-//! there, and no longer IEEE arithmetic: the returns can differ from the default mode's
-//! wherever a flushed value changes a decision.
+//! `torch.set_flush_denormal(True)`). RMSprop's running means of parameters whose gradient
+//! stays zero settle on denormals, which cost microcode assists on Intel cores; the optimizer
+//! now steps them exactly without assists, so the flag gains little here. It is no longer IEEE
+//! arithmetic: the returns can differ from the default mode's wherever a flushed value changes
+//! a decision.
 //!
 //! `--eval CHECKPOINT` plays `--episodes N` (default 100) episodes greedily (epsilon 0.01, so a
 //! stuck agent cannot loop forever) with the saved network and prints their mean return.
