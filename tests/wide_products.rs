@@ -4,8 +4,8 @@
 //! two dense layers' evaluate, training forward and backward pass (whose input gradient is a
 //! product too) run here, and again in a copy of this test run with
 //! `CONV2D_SIMD=avx2` (the choice is made once per process); every value must match bit for
-//! bit. Adam's and RMSprop's steps run on AVX-512 too: their running means are driven denormal
-//! here, and the steps' bits must match as well. (A test binary of its own: the copy is this
+//! bit. The optimizers' steps (Adam, RMSprop, SGD) run on AVX-512 too: their running means are
+//! driven denormal here, and the steps' bits must match as well. (A test binary of its own: the copy is this
 //! binary, run with a filter.)
 
 use conv_runtime::prelude::*;
