@@ -687,6 +687,41 @@ fn sqrt<A: Real>(exact: bool, a: A) -> A {
     }
 }
 
+/// One optimizer's step over one tensor (slices of one length), in runs of [`RUN`] elements,
+/// each run [`Exact`](crate::element::exact::Exact) if any of its elements is near the
+/// denormals. Each element's arithmetic is the same, operation for operation (no FMA
+/// contraction), at every vector width, so the bits are those of the scalar loop and of the
+/// GPU; [`dispatch`] instantiates `run` for the widest the CPU has.
+trait Update<A: Real> {
+    /// Steps every element of `p`.
+    fn run(&self, p: Part<'_, A>);
+}
+
+/// `u` over `p` in an AVX-512 or AVX2 instantiation where the CPU has it. `Update::run` is
+/// `#[inline(always)]` in each implementation, so each instantiation holds the whole loop.
+fn dispatch<A: Real, U: Update<A>>(u: &U, p: Part<'_, A>) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        #[target_feature(enable = "avx2")]
+        unsafe fn avx2<A: Real, U: Update<A>>(u: &U, p: Part<'_, A>) {
+            u.run(p)
+        }
+        #[target_feature(enable = "avx512f,avx512vl,avx2")]
+        unsafe fn avx512<A: Real, U: Update<A>>(u: &U, p: Part<'_, A>) {
+            u.run(p)
+        }
+        if crate::simd::avx512() {
+            // SAFETY: the CPU has AVX-512F and VL.
+            return unsafe { avx512(u, p) };
+        }
+        if crate::simd::avx2_fma() {
+            // SAFETY: the CPU has AVX2.
+            return unsafe { avx2(u, p) };
+        }
+    }
+    u.run(p)
+}
+
 /// The scalars of one SGD step.
 struct SgdStep<A> {
     lr: A,
@@ -698,35 +733,34 @@ struct SgdStep<A> {
     first: bool,
 }
 
-/// One SGD step over one tensor, dispatched as [`adam_update`] (the same bits at every width).
-fn sgd_update<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+impl<A: Real> SgdStep<A> {
     /// One element, the multiplications [`Exact`](crate::element::exact::Exact) or plain.
     #[inline(always)]
-    fn element<A: Real, const EXACT: bool>(value: &mut A, grad: A, buf: &mut A, k: &SgdStep<A>) {
-        let mut g = grad + mul(EXACT, k.wd, *value);
-        if k.momentum != A::zero() {
-            *buf = if k.first {
+    fn element<const EXACT: bool>(&self, value: &mut A, grad: A, buf: &mut A) {
+        let mut g = grad + mul(EXACT, self.wd, *value);
+        if self.momentum != A::zero() {
+            *buf = if self.first {
                 g
             } else {
-                mul(EXACT, k.momentum, *buf) + mul(EXACT, A::ONE - k.dampening, g)
+                mul(EXACT, self.momentum, *buf) + mul(EXACT, A::ONE - self.dampening, g)
             };
-            g = if k.nesterov {
-                g + mul(EXACT, k.momentum, *buf)
+            g = if self.nesterov {
+                g + mul(EXACT, self.momentum, *buf)
             } else {
                 *buf
             };
         }
-        *value -= mul(EXACT, k.lr, g);
+        *value -= mul(EXACT, self.lr, g);
     }
-    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
-    /// denormals.
+
+    /// A run of elements.
     #[inline(always)]
-    fn span<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], k: &SgdStep<A>) {
+    fn span(&self, values: &mut [A], grad: &[A], m: &mut [A]) {
         let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR);
         macro_rules! each {
             ($exact:literal) => {
                 for ((value, &grad), buf) in values.iter_mut().zip(grad).zip(m) {
-                    element::<A, $exact>(value, grad, buf, k);
+                    self.element::<$exact>(value, grad, buf);
                 }
             };
         }
@@ -736,48 +770,25 @@ fn sgd_update<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
             each!(false)
         }
     }
+}
+
+impl<A: Real> Update<A> for SgdStep<A> {
     #[inline(always)]
-    fn run<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+    fn run(&self, p: Part<'_, A>) {
         let n = p.values.len();
         let (values, values_tail) = p.values.as_chunks_mut::<RUN>();
         let (grad, grad_tail) = p.grad[..n].as_chunks::<RUN>();
         let (m, m_tail) = p.m[..n].as_chunks_mut::<RUN>();
         for ((values, grad), m) in values.iter_mut().zip(grad).zip(m) {
-            span(values, grad, m, k);
+            self.span(values, grad, m);
         }
-        span(values_tail, grad_tail, m_tail, k);
+        self.span(values_tail, grad_tail, m_tail);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn run_avx2<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
-            run(p, k)
-        }
-        #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        unsafe fn run_avx512<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
-            run(p, k)
-        }
-        if crate::simd::avx512() {
-            // SAFETY: the CPU has AVX-512F and VL.
-            return unsafe { run_avx512(p, k) };
-        }
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { run_avx2(p, k) };
-        }
-    }
-    run(p, k)
 }
 
-/// The scalars of one RMSprop step.
-struct RmsPropStep<A> {
-    lr: A,
-    alpha: A,
-    eps: A,
-    wd: A,
-    momentum: A,
-    /// `1 - alpha`.
-    weight: A,
+/// One SGD step over one tensor.
+fn sgd_update<A: Real>(p: Part<'_, A>, k: &SgdStep<A>) {
+    dispatch(k, p)
 }
 
 /// The constants of one Adam step.
@@ -792,37 +803,27 @@ struct AdamStep<A> {
     step_size: A,
 }
 
-/// One Adam step over one tensor (slices of one length). Dispatched to an AVX-512 or AVX2
-/// instantiation where the CPU has it, and exact near the denormals, as [`rmsprop_update`]: the
-/// same arithmetic per element, operation for operation (no FMA contraction), so the bits are
-/// those of the scalar loop and of the GPU.
-fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+impl<A: Real> AdamStep<A> {
     /// One element, the multiplications, divisions and square root
     /// [`Exact`](crate::element::exact::Exact) or plain.
     #[inline(always)]
-    fn element<A: Real, const EXACT: bool>(
-        value: &mut A,
-        grad: A,
-        m: &mut A,
-        v: &mut A,
-        k: &AdamStep<A>,
-    ) {
-        let g = grad + mul(EXACT, k.wd, *value);
-        *m = mul(EXACT, k.b1, *m) + mul(EXACT, A::ONE - k.b1, g);
-        *v = mul(EXACT, k.b2, *v) + mul(EXACT, mul(EXACT, A::ONE - k.b2, g), g);
+    fn element<const EXACT: bool>(&self, value: &mut A, grad: A, m: &mut A, v: &mut A) {
+        let g = grad + mul(EXACT, self.wd, *value);
+        *m = mul(EXACT, self.b1, *m) + mul(EXACT, A::ONE - self.b1, g);
+        *v = mul(EXACT, self.b2, *v) + mul(EXACT, mul(EXACT, A::ONE - self.b2, g), g);
         // The square root of a denormal is at least 2^-75: the division needs no care.
-        let denom = sqrt(EXACT, *v) / k.correction2_sqrt + k.eps;
-        *value -= div(EXACT, mul(EXACT, k.step_size, *m), denom);
+        let denom = sqrt(EXACT, *v) / self.correction2_sqrt + self.eps;
+        *value -= div(EXACT, mul(EXACT, self.step_size, *m), denom);
     }
-    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
-    /// denormals.
+
+    /// A run of elements.
     #[inline(always)]
-    fn span<A: Real>(values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A], k: &AdamStep<A>) {
+    fn span(&self, values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A]) {
         let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR) | near(v, NEAR_SQUARES);
         macro_rules! each {
             ($exact:literal) => {
                 for (((value, &grad), m), v) in values.iter_mut().zip(grad).zip(m).zip(v) {
-                    element::<A, $exact>(value, grad, m, v, k);
+                    self.element::<$exact>(value, grad, m, v);
                 }
             };
         }
@@ -832,70 +833,62 @@ fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
             each!(false)
         }
     }
+}
+
+impl<A: Real> Update<A> for AdamStep<A> {
     #[inline(always)]
-    fn run<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+    fn run(&self, p: Part<'_, A>) {
         let n = p.values.len();
         let (values, values_tail) = p.values.as_chunks_mut::<RUN>();
         let (grad, grad_tail) = p.grad[..n].as_chunks::<RUN>();
         let (m, m_tail) = p.m[..n].as_chunks_mut::<RUN>();
         let (v, v_tail) = p.v[..n].as_chunks_mut::<RUN>();
         for (((values, grad), m), v) in values.iter_mut().zip(grad).zip(m).zip(v) {
-            span(values, grad, m, v, k);
+            self.span(values, grad, m, v);
         }
-        span(values_tail, grad_tail, m_tail, v_tail, k);
+        self.span(values_tail, grad_tail, m_tail, v_tail);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn run_avx2<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
-            run(p, k)
-        }
-        #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        unsafe fn run_avx512<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
-            run(p, k)
-        }
-        if crate::simd::avx512() {
-            // SAFETY: the CPU has AVX-512F and VL.
-            return unsafe { run_avx512(p, k) };
-        }
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { run_avx2(p, k) };
-        }
-    }
-    run(p, k)
 }
 
-/// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants: `CENTERED`,
-/// `MOMENTUM` (a momentum buffer), `SMALL` (`at::native::lerp`'s branch for a weight below 0.5).
-/// Dispatched to an AVX-512 or AVX2 instantiation where the CPU has it: each element's
-/// arithmetic is the same, operation for operation, in each (no FMA contraction), so steps stay
-/// bit-identical to the GPU's. Running means decay into the denormals where gradients stay
-/// zero, and Intel cores take a microcode assist for each instruction with a denormal operand
-/// or result: runs of elements near them take the [`Exact`](crate::element::exact::Exact)
-/// operations ([`RUN`]), which give the same bits without assists.
-fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-    s: Part<'_, A>,
-    k: &RmsPropStep<A>,
-) {
+/// One Adam step over one tensor.
+fn adam_update<A: Real>(p: Part<'_, A>, k: &AdamStep<A>) {
+    dispatch(k, p)
+}
+
+/// The scalars of one RMSprop step.
+struct RmsPropStep<A> {
+    lr: A,
+    alpha: A,
+    eps: A,
+    wd: A,
+    momentum: A,
+    /// `1 - alpha`.
+    weight: A,
+}
+
+/// An RMSprop step with its options as constants, so that each combination's loop is
+/// straight-line vector code: `CENTERED`, `MOMENTUM` (a momentum buffer), `SMALL`
+/// (`at::native::lerp`'s branch for a weight below 0.5).
+struct RmsPropOptions<'k, A, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+    &'k RmsPropStep<A>,
+);
+
+impl<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>
+    RmsPropOptions<'_, A, CENTERED, MOMENTUM, SMALL>
+{
     /// One element, the multiplications, divisions and square root
     /// [`Exact`](crate::element::exact::Exact) or plain. `m` and `mean` are read only where
     /// kept (`MOMENTUM`, `CENTERED`).
     #[inline(always)]
-    fn element<
-        A: Real,
-        const CENTERED: bool,
-        const MOMENTUM: bool,
-        const SMALL: bool,
-        const EXACT: bool,
-    >(
+    fn element<const EXACT: bool>(
+        &self,
         value: &mut A,
         grad: A,
         v: &mut A,
         m: &mut A,
         mean: &mut A,
-        k: &RmsPropStep<A>,
     ) {
+        let k = self.0;
         let g = grad + mul(EXACT, k.wd, *value);
         let vi = mul(EXACT, k.alpha, *v) + mul(EXACT, mul(EXACT, k.weight, g), g);
         *v = vi;
@@ -921,17 +914,10 @@ fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMA
             *value -= mul(EXACT, k.lr, div(EXACT, g, avg));
         }
     }
-    /// A run of elements: [`Exact`](crate::element::exact::Exact) if any is near the
-    /// denormals. `mean` is empty unless `CENTERED`.
+
+    /// A run of elements. `mean` is empty unless `CENTERED`.
     #[inline(always)]
-    fn span<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-        values: &mut [A],
-        grad: &[A],
-        v: &mut [A],
-        m: &mut [A],
-        mean: &mut [A],
-        k: &RmsPropStep<A>,
-    ) {
+    fn span(&self, values: &mut [A], grad: &[A], v: &mut [A], m: &mut [A], mean: &mut [A]) {
         let exact = near(values, NEAR)
             | near(grad, NEAR)
             | near(v, NEAR_SQUARES)
@@ -942,14 +928,7 @@ fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMA
             ($exact:literal) => {
                 for i in 0..values.len() {
                     let mean = if CENTERED { &mut mean[i] } else { &mut unused };
-                    element::<A, CENTERED, MOMENTUM, SMALL, $exact>(
-                        &mut values[i],
-                        grad[i],
-                        &mut v[i],
-                        &mut m[i],
-                        mean,
-                        k,
-                    );
+                    self.element::<$exact>(&mut values[i], grad[i], &mut v[i], &mut m[i], mean);
                 }
             };
         }
@@ -959,11 +938,13 @@ fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMA
             each!(false)
         }
     }
+}
+
+impl<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool> Update<A>
+    for RmsPropOptions<'_, A, CENTERED, MOMENTUM, SMALL>
+{
     #[inline(always)]
-    fn run<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
-        s: Part<'_, A>,
-        k: &RmsPropStep<A>,
-    ) {
+    fn run(&self, s: Part<'_, A>) {
         let n = s.values.len();
         let (values, values_tail) = s.values.as_chunks_mut::<RUN>();
         let (grad, grad_tail) = s.grad[..n].as_chunks::<RUN>();
@@ -974,46 +955,22 @@ fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMA
         let runs = values.iter_mut().zip(grad).zip(v.iter_mut().zip(m));
         for (r, ((values, grad), (v, m))) in runs.enumerate() {
             let mean: &mut [A] = if CENTERED { &mut means[r] } else { &mut [] };
-            span::<A, CENTERED, MOMENTUM, SMALL>(values, grad, v, m, mean, k);
+            self.span(values, grad, v, m, mean);
         }
-        span::<A, CENTERED, MOMENTUM, SMALL>(values_tail, grad_tail, v_tail, m_tail, mean_tail, k);
+        self.span(values_tail, grad_tail, v_tail, m_tail, mean_tail);
     }
-    #[cfg(target_arch = "x86_64")]
-    {
-        #[target_feature(enable = "avx2")]
-        unsafe fn run_avx2<
-            A: Real,
-            const CENTERED: bool,
-            const MOMENTUM: bool,
-            const SMALL: bool,
-        >(
-            s: Part<'_, A>,
-            k: &RmsPropStep<A>,
-        ) {
-            run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
-        }
-        #[target_feature(enable = "avx512f,avx512vl,avx2")]
-        unsafe fn run_avx512<
-            A: Real,
-            const CENTERED: bool,
-            const MOMENTUM: bool,
-            const SMALL: bool,
-        >(
-            s: Part<'_, A>,
-            k: &RmsPropStep<A>,
-        ) {
-            run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
-        }
-        if crate::simd::avx512() {
-            // SAFETY: the CPU has AVX-512F and VL.
-            return unsafe { run_avx512::<A, CENTERED, MOMENTUM, SMALL>(s, k) };
-        }
-        if crate::simd::avx2_fma() {
-            // SAFETY: the CPU has AVX2.
-            return unsafe { run_avx2::<A, CENTERED, MOMENTUM, SMALL>(s, k) };
-        }
-    }
-    run::<A, CENTERED, MOMENTUM, SMALL>(s, k)
+}
+
+/// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants
+/// ([`RmsPropOptions`]). Running means decay into the denormals where gradients stay zero, and
+/// Intel cores take a microcode assist for each instruction with a denormal operand or result:
+/// runs of elements near them take the [`Exact`](crate::element::exact::Exact) operations
+/// ([`RUN`]), which give the same bits without assists.
+fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
+    s: Part<'_, A>,
+    k: &RmsPropStep<A>,
+) {
+    dispatch(&RmsPropOptions::<A, CENTERED, MOMENTUM, SMALL>(k), s)
 }
 
 #[cfg(test)]
