@@ -67,9 +67,13 @@ bits_of_specs! {
     F2x3S2 (F2x3S2Input, F2x3S2Output, F2x3S2State, F2x3S2Grads, 2): { input: [16, 16, 16],
         out_channels: 32, kernel: 3, stride: 2, padding: 1, activation: Relu },
     // Dense: ragged rows, output channels and inputs (a register tile is 8 rows by 4
-    // channels; 100 inputs end in half a vector), and MinAtar's layer at batch 32.
+    // channels; 100 inputs end in half a vector), and MinAtar's layer at batch 32. Rows 1024
+    // or 1028 inputs apart share cache sets, and are packed 64 at a time: 70 rows take two
+    // chunks, the second with a ragged tile, and 1028 inputs end in half a vector.
     Dense (DenseInput, DenseOutput, DenseState, DenseGrads, 11): { input: [1, 1, 100],
         out_channels: 13, kernel: 1, activation: Relu },
+    DensePacked (DensePackedInput, DensePackedOutput, DensePackedState, DensePackedGrads, 70): {
+        input: [1, 1, 1028], out_channels: 13, kernel: 1, activation: Relu },
     DenseMinAtar (DenseMinAtarInput, DenseMinAtarOutput, DenseMinAtarState, DenseMinAtarGrads,
         32): { input: [1, 1, 1024], out_channels: 128, kernel: 1 },
 }
