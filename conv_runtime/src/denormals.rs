@@ -7,12 +7,13 @@
 //! that the same factor rounds back to itself, so every later step pays for it again. The
 //! optimizers ([`crate::Adam`], [`crate::RmsProp`], [`crate::Sgd`]) no longer pay: near the
 //! denormals they compute each multiplication, division and square root through f64, which
-//! gives the same f32 bits without an assist. (Over the DQN example's first 40,000 frames on
-//! an Intel Xeon, RMSprop's step had taken 41% of the time.) Flushing still removes denormals
-//! from everything else, the layers' own arithmetic included, by trading them for zeros (the
-//! x86 control bits FTZ and DAZ, what `torch.set_flush_denormal(True)` sets). It is not IEEE
-//! arithmetic: results differ from the default mode's (and from the GPU's) wherever a denormal
-//! appeared, so it is off unless asked for.
+//! gives the same f32 bits without an assist, on CPUs that take assists ([`assists`]). (Over
+//! the DQN example's first 40,000 frames on an Intel Xeon, RMSprop's step had taken 41% of the
+//! time.) Flushing still removes denormals from everything else, the layers' own arithmetic
+//! included, by trading them for zeros (the x86 control bits FTZ and DAZ, what
+//! `torch.set_flush_denormal(True)` sets). It is not IEEE arithmetic: results differ from the
+//! default mode's (and from the GPU's) wherever a denormal appeared, so it is off unless asked
+//! for.
 
 #[cfg(not(target_arch = "x86_64"))]
 use crate::Error;
@@ -72,6 +73,44 @@ pub(crate) fn adopt(control: u32) {
     if csr & CONTROL != control {
         set_mode(csr & !CONTROL | control);
     }
+}
+
+/// Whether this CPU takes a microcode assist for a denormal operand or result of a
+/// multiplication, division or square root, so that the optimizers' exact operations pay near
+/// the denormals: every x86-64 CPU but AMD's Zen cores (family 17h on, and Hygon's), and every
+/// other architecture, unless known otherwise. Zen 4 takes about twice an ordinary zmm
+/// multiplication's time (0.55 ns) for a denormal result and an ordinary one's for a denormal
+/// operand; there the exact operations' conversions cost more than they save (MinAtar's Adam
+/// step: 69 us with plain operations, 104 us with exact ones). Decided once per process; only
+/// speed depends on it.
+pub fn assists() -> bool {
+    static ASSISTS: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
+    *ASSISTS.get_or_init(|| {
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::__cpuid;
+            // CPUID leaves 0 (the vendor) and 1 (the family) exist on every x86-64 CPU; the
+            // intrinsic is unsafe on older compilers only.
+            #[allow(unused_unsafe)]
+            let (vendor, signature) = unsafe { (__cpuid(0), __cpuid(1).eax) };
+            let name: Vec<u8> = [vendor.ebx, vendor.edx, vendor.ecx]
+                .iter()
+                .flat_map(|r| r.to_le_bytes())
+                .collect();
+            let base = (signature >> 8) & 0xf;
+            let family = if base == 0xf {
+                base + ((signature >> 20) & 0xff)
+            } else {
+                base
+            };
+            let zen = (name == b"AuthenticAMD" && family >= 0x17) || name == b"HygonGenuine";
+            !zen
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        {
+            true
+        }
+    })
 }
 
 /// Whether the calling thread flushes denormals to zero.

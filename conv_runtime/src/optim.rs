@@ -257,6 +257,7 @@ impl<A: Real> Sgd<A> {
             wd,
             nesterov,
             first,
+            exact: crate::denormals::assists(),
         };
         self.state
             .apply(params, grads, pool, (false, false), &|p| sgd_update(p, &k));
@@ -370,6 +371,7 @@ impl<A: Real> Adam<A> {
             wd: self.weight_decay,
             correction2_sqrt,
             step_size,
+            exact: crate::denormals::assists(),
         };
         self.state
             .apply(params, grads, pool, (true, false), &|p| adam_update(p, &k));
@@ -581,6 +583,7 @@ impl<A: Real> RmsProp<A> {
             wd,
             momentum,
             weight,
+            exact: crate::denormals::assists(),
         };
         self.state
             .apply(params, grads, pool, (true, centered), &|slices| {
@@ -731,6 +734,9 @@ struct SgdStep<A> {
     nesterov: bool,
     /// The first step (the momentum buffer starts as the gradient).
     first: bool,
+    /// Whether runs near the denormals take the exact operations: where the CPU takes
+    /// microcode assists for denormals ([`crate::denormals::assists`]). The same bits either way.
+    exact: bool,
 }
 
 impl<A: Real> SgdStep<A> {
@@ -756,7 +762,7 @@ impl<A: Real> SgdStep<A> {
     /// A run of elements.
     #[inline(always)]
     fn span(&self, values: &mut [A], grad: &[A], m: &mut [A]) {
-        let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR);
+        let exact = self.exact && (near(values, NEAR) | near(grad, NEAR) | near(m, NEAR));
         macro_rules! each {
             ($exact:literal) => {
                 for ((value, &grad), buf) in values.iter_mut().zip(grad).zip(m) {
@@ -801,6 +807,9 @@ struct AdamStep<A> {
     correction2_sqrt: A,
     /// `lr / (1 - beta1^t)`.
     step_size: A,
+    /// Whether runs near the denormals take the exact operations: where the CPU takes
+    /// microcode assists for denormals ([`crate::denormals::assists`]). The same bits either way.
+    exact: bool,
 }
 
 impl<A: Real> AdamStep<A> {
@@ -819,7 +828,8 @@ impl<A: Real> AdamStep<A> {
     /// A run of elements.
     #[inline(always)]
     fn span(&self, values: &mut [A], grad: &[A], m: &mut [A], v: &mut [A]) {
-        let exact = near(values, NEAR) | near(grad, NEAR) | near(m, NEAR) | near(v, NEAR_SQUARES);
+        let exact = self.exact
+            && (near(values, NEAR) | near(grad, NEAR) | near(m, NEAR) | near(v, NEAR_SQUARES));
         macro_rules! each {
             ($exact:literal) => {
                 for (((value, &grad), m), v) in values.iter_mut().zip(grad).zip(m).zip(v) {
@@ -864,6 +874,9 @@ struct RmsPropStep<A> {
     momentum: A,
     /// `1 - alpha`.
     weight: A,
+    /// Whether runs near the denormals take the exact operations: where the CPU takes
+    /// microcode assists for denormals ([`crate::denormals::assists`]). The same bits either way.
+    exact: bool,
 }
 
 /// An RMSprop step with its options as constants, so that each combination's loop is
@@ -918,11 +931,12 @@ impl<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>
     /// A run of elements. `mean` is empty unless `CENTERED`.
     #[inline(always)]
     fn span(&self, values: &mut [A], grad: &[A], v: &mut [A], m: &mut [A], mean: &mut [A]) {
-        let exact = near(values, NEAR)
-            | near(grad, NEAR)
-            | near(v, NEAR_SQUARES)
-            | (MOMENTUM && near(m, NEAR))
-            | (CENTERED && near(mean, NEAR));
+        let exact = self.0.exact
+            && (near(values, NEAR)
+                | near(grad, NEAR)
+                | near(v, NEAR_SQUARES)
+                | (MOMENTUM && near(m, NEAR))
+                | (CENTERED && near(mean, NEAR)));
         let mut unused = A::zero();
         macro_rules! each {
             ($exact:literal) => {
@@ -1337,6 +1351,7 @@ mod tests {
                 wd: if seed % 2 == 0 { 0.0 } else { 1e-2 },
                 correction2_sqrt: 0.3,
                 step_size: 1e-3,
+                exact: true,
             };
             let ours = stepped(&arrays, |p| adam_update(p, &adam));
             let plain = stepped(&arrays, |p| {
@@ -1358,6 +1373,7 @@ mod tests {
                 wd: adam.wd,
                 momentum: 0.9,
                 weight: 0.05,
+                exact: true,
             };
             fn plain_rmsprop<const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
                 p: Part<'_, f32>,
@@ -1410,6 +1426,7 @@ mod tests {
                     wd: adam.wd,
                     nesterov,
                     first,
+                    exact: true,
                 };
                 let ours = stepped(&arrays, |p| sgd_update(p, &sgd));
                 let plain = stepped(&arrays, |p| {
