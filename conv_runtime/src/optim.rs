@@ -636,10 +636,11 @@ impl<A: Real> RmsProp<A> {
     }
 }
 
-/// Elements per run of an optimizer's loop: one 512-bit vector of f32. A run where any element
-/// is near the denormals takes the [`Exact`](crate::element::exact::Exact) operations (the same
-/// bits without microcode assists, slower than plain ones when there are none), the others the
-/// plain ones. With one flag for the whole run and the run's length a constant, each kind of
+/// Elements per run of an optimizer's loop: one 512-bit vector of f32. On a CPU that takes
+/// microcode assists for denormals ([`crate::denormals::assists`]), a run where any element is
+/// near the denormals takes the [`Exact`](crate::element::exact::Exact) operations (the same
+/// bits without assists, slower than plain ones when there are none), the others the plain
+/// ones. With one flag for the whole run and the run's length a constant, each kind of
 /// run is straight-line vector code.
 const RUN: usize = 16;
 
@@ -978,8 +979,8 @@ impl<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool> Upd
 /// PyTorch's `_single_tensor_rmsprop` over one tensor, the options as constants
 /// ([`RmsPropOptions`]). Running means decay into the denormals where gradients stay zero, and
 /// Intel cores take a microcode assist for each instruction with a denormal operand or result:
-/// runs of elements near them take the [`Exact`](crate::element::exact::Exact) operations
-/// ([`RUN`]), which give the same bits without assists.
+/// there, runs of elements near them take the [`Exact`](crate::element::exact::Exact)
+/// operations ([`RUN`]), which give the same bits without assists.
 fn rmsprop_update<A: Real, const CENTERED: bool, const MOMENTUM: bool, const SMALL: bool>(
     s: Part<'_, A>,
     k: &RmsPropStep<A>,

@@ -108,7 +108,8 @@ pub struct Dense {
 /// adds the same products in the same order, and the halves are summed across their lanes as
 /// the 8-lane kernel sums its vectors: the same bits. The gain is the register tile that 32
 /// registers allow: 16 such accumulators (8 rows by 4 output channels), 32 dot products in
-/// flight against the 8-lane kernel's 12.
+/// flight against the 8-lane kernel's 12. Where rows of `x` share the L1 cache's sets (1024 or
+/// 2048 inputs apart), each tile's rows are first copied side by side into one stream.
 ///
 /// # Safety
 /// `x` holds `d.rows` rows and `w` holds `d.cols` rows, `d.ic` apart; `bias` holds `d.cols`
@@ -362,7 +363,7 @@ mod avx512 {
             return dense_rows_of(d, x, w, bias, y, None);
         }
         PACKED.with(|cell| match cell.try_borrow_mut() {
-            // SAFETY: the caller's; the CPU has the features of `dense_packed`.
+            // SAFETY: the caller's; the CPU has the features of `dense_rows_of`.
             Ok(mut buffer) => unsafe { dense_rows_of(d, x, w, bias, y, Some(&mut buffer)) },
             Err(_) => unsafe { dense_rows_of(d, x, w, bias, y, Some(&mut Vec::new())) },
         })
@@ -424,7 +425,7 @@ mod avx512 {
     /// register tile's rows interleaved: tile by tile (of [`DENSE_ROWS`], the last one
     /// shorter), vector `j` of its rows side by side. A tile's loads then read one stream in
     /// order, where its rows `ic` apart would share cache sets (4 KiB apart for 1024 inputs:
-    /// MinAtar's dense layer took half as long again).
+    /// unpacked, MinAtar's `evaluate` at batch 32 took 1.4 times as long on a Zen 4 core).
     #[inline(always)]
     unsafe fn pack(x: *const f32, ic: usize, rows: usize, packed: *mut f32) {
         let vectors = ic / 8;
