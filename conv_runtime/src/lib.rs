@@ -39,6 +39,8 @@ mod network;
 #[cfg(feature = "onednn")]
 pub mod onednn;
 pub mod optim;
+#[doc(hidden)]
+pub mod packed_rows;
 mod params;
 mod rng;
 pub mod safetensors;
@@ -146,6 +148,7 @@ pub mod __private {
     };
     #[cfg(feature = "onednn")]
     pub use crate::onednn;
+    pub use crate::packed_rows;
     pub use crate::simd::{self, avx2_fma, Simd};
     pub use crate::wide;
     pub use crate::winograd;

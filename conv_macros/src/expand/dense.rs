@@ -5,7 +5,8 @@
 //! - forward: `y[b][o] = bias[o] + x[b] . w[o]`, dot products along the inputs in vectors,
 //!   `ROWS x COLS` of them per register tile, each summed across lanes once at the end (on
 //!   AVX-512, two per zmm register in larger tiles, `conv_runtime::wide::dense`: the same
-//!   bits);
+//!   bits); where rows of `x` share the L1 cache's sets, each tile's rows are first copied
+//!   side by side (`conv_runtime::packed_rows`);
 //! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
 //! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient.
 //!
@@ -69,9 +70,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
     // The register tiles, generic over their size so that edges take smaller ones; every loop
     // bound is a constant, so each instantiation is straight-line code around the `k` loop.
     let tiles = quote! {
-        /// `R x C` dot products of rows of `x` (`IC` apart) and rows of `w`, across lanes.
+        /// `R x C` dot products of rows of `x` (`IC` apart, or packed by
+        /// `packed_rows::pack` where `P`) and rows of `w`, across lanes.
         #[inline(always)]
-        unsafe fn __dense_dots<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize>(
+        unsafe fn __dense_dots<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize, const __P: bool>(
             x: *const __A, w: *const __A,
         ) -> [[__A; __C]; __R] {
             let mut acc = [[__S::zero(); __C]; __R];
@@ -79,7 +81,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
             while k + __L <= __IC {
                 let mut xv = [__S::zero(); __R];
                 for r in 0..__R {
-                    xv[r] = __S::load(x.add(r * __IC + k));
+                    xv[r] = if __P { __S::load(x.add((k / __L * __R + r) * __L)) } else { __S::load(x.add(r * __IC + k)) };
                 }
                 for c in 0..__C {
                     let wv = __S::load(w.add(c * __IC + k));
@@ -93,7 +95,8 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 let n = __IC - k;
                 let mut xv = [__S::zero(); __R];
                 for r in 0..__R {
-                    xv[r] = __S::load_partial(x.add(r * __IC + k), n);
+                    // Packed rows hold zeros past `IC`, as the partial load reads them.
+                    xv[r] = if __P { __S::load(x.add((k / __L * __R + r) * __L)) } else { __S::load_partial(x.add(r * __IC + k), n) };
                 }
                 for c in 0..__C {
                     let wv = __S::load_partial(w.add(c * __IC + k), n);
@@ -116,10 +119,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
 
         /// `put(r, c, dot)` for a tile of [`__dense_dots`].
         #[inline(always)]
-        unsafe fn __dense_tile<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize>(
+        unsafe fn __dense_tile<__S: #rt::Simd<Elem = __A>, const __R: usize, const __C: usize, const __P: bool>(
             x: *const __A, w: *const __A, put: &mut impl ::core::ops::FnMut(usize, usize, __A),
         ) {
-            let d = __dense_dots::<__S, { __R }, { __C }>(x, w);
+            let d = __dense_dots::<__S, { __R }, { __C }, { __P }>(x, w);
             for r in 0..__R {
                 for c in 0..__C {
                     put(r, c, d[r][c]);
@@ -260,6 +263,13 @@ pub fn expand(spec: &Spec) -> TokenStream {
             {
                 return;
             }
+            // Rows that share the L1 cache's sets (`__PACK`) copied per register tile, side by
+            // side (one-row tiles read their row as it is).
+            let packed = if __PACK && batch.len() > 1 {
+                #rt::packed_rows::pack(xp.add(batch.start * __IC), __IC, batch.len(), #rows, __L)
+            } else {
+                xp
+            };
             let step = if batch.len() == 1 { #wide } else { #cols };
             let mut c0 = channels.start;
             while c0 < channels.end {
@@ -267,7 +277,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
                 let mut r0 = batch.start;
                 while r0 < batch.end {
                     let rs = if batch.end - r0 < #rows { batch.end - r0 } else { #rows };
-                    let (xr, wc) = (xp.add(r0 * __IC), wp.add(c0 * __IC));
+                    let xr = if __PACK && rs > 1 {
+                        packed.add((r0 - batch.start) * __IC.div_ceil(__L) * __L)
+                    } else {
+                        xp.add(r0 * __IC)
+                    };
+                    let wc = wp.add(c0 * __IC);
                     let mut put = |r: usize, c: usize, v: __A| {
                         *y.at((r0 + r) * __OC + c0 + c) = b[c0 + c] + v;
                     };
@@ -638,6 +653,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
         /// How far ahead of its tile the weight gradient prefetches `dw`, in output channels:
         /// four tiles, about a memory latency of FMAs.
         const __AHEAD: usize = 4 * #tile_rows;
+        /// Whether the forward pass packs its register tiles' rows of `x`
+        /// (`packed_rows::aliased`).
+        const __PACK: bool = #rt::packed_rows::aliased(__IC, ::core::mem::size_of::<__A>(), #rows);
         /// Chunks of output channels, and of batch rows.
         const __OCHUNKS: usize = __OC.div_ceil(__CHUNK);
         const __BCHUNKS: usize = __BATCH.div_ceil(__CHUNK);
@@ -713,7 +731,13 @@ fn forward_tiles(spec: &Spec) -> TokenStream {
         (0..cols.len()).map(move |j| {
             let (r_pat, c_pat) = (pattern(rows, i), pattern(cols, j));
             let (r, c) = (lit(rows[i]), lit(cols[j]));
-            quote!((#r_pat, #c_pat) => __dense_tile::<__S, #r, #c>(xr, wc, &mut put),)
+            // One-row tiles read their row as it is.
+            let p = if rows[i] > 1 {
+                quote!(__PACK)
+            } else {
+                quote!(false)
+            };
+            quote!((#r_pat, #c_pat) => __dense_tile::<__S, #r, #c, { #p }>(xr, wc, &mut put),)
         })
     });
     quote! {
