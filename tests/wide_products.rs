@@ -69,8 +69,8 @@ bits_of_specs! {
     // Dense: ragged rows, output channels and inputs (a register tile is 8 rows by 4
     // channels; 100 inputs end in half a vector), and MinAtar's layer at batch 32. Rows 1024
     // or 1028 inputs apart share cache sets, and are packed (on AVX-512 64 rows at a time: 70
-    // rows take two chunks, the second with a ragged tile; on AVX2 per 3-row tile, the last
-    // one row, read as it is), and 1028 inputs end in half a vector.
+    // rows take two chunks, the second with a ragged tile; on AVX2 per 3-row tile, 63 rows at
+    // a time, the last tile one row, read as it is), and 1028 inputs end in half a vector.
     Dense (DenseInput, DenseOutput, DenseState, DenseGrads, 11): { input: [1, 1, 100],
         out_channels: 13, kernel: 1, activation: Relu },
     DensePacked (DensePackedInput, DensePackedOutput, DensePackedState, DensePackedGrads, 70): {

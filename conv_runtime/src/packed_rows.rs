@@ -19,7 +19,8 @@ std::thread_local! {
 ///
 /// # Safety
 /// `x` holds `rows` rows `ic` apart, and `A` is f32 or f64. The result is valid until this
-/// thread's next call.
+/// thread's next call. The buffer keeps the largest size asked for: callers pack a bounded
+/// number of rows at a time.
 #[doc(hidden)]
 pub unsafe fn pack<A: Real>(
     x: *const A,
