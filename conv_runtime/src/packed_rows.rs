@@ -1,8 +1,8 @@
 //! A dense layer's rows of `x`, copied register tile by register tile so that a tile's loads
 //! read one stream in order: where the rows lie a multiple of 4 KiB apart (1024 f32 inputs, or
 //! 2048), every step's loads of a tile's rows and of its weight rows fall in one set of the L1
-//! cache, more lines than its ways hold. Used by the generated 8-lane dense kernels (the
-//! AVX-512 kernel, [`crate::wide::dense`], packs its own).
+//! cache, more lines than its ways hold. Used by the generated 8-lane dense kernels and by the
+//! AVX-512 one ([`crate::wide::dense`]).
 
 use crate::Real;
 use std::cell::RefCell;
@@ -13,22 +13,23 @@ std::thread_local! {
 }
 
 /// Copies `rows` rows of `x` (`ic` values apart) into this thread's buffer for register tiles
-/// of `tile` rows: tile by tile (the last one shorter), vector `j` (`lanes` values) of the
-/// tile's rows side by side, the last vector of each row padded with zeros past `ic` (as a
-/// partial load reads it). Tile `t` starts at `t * tile * ic.div_ceil(lanes) * lanes`.
+/// of `tile` rows: tile by tile (the last one shorter), vector `j` (`L` values) of the tile's
+/// rows side by side, the last vector of each row padded with zeros past `ic` (as a partial
+/// load reads it). Tile `t` starts at `t * tile * ic.div_ceil(L) * L`. `L` is a constant so
+/// that each whole vector is one move, not a call of `memcpy`.
 ///
 /// # Safety
 /// `x` holds `rows` rows `ic` apart, and `A` is f32 or f64. The result is valid until this
 /// thread's next call. The buffer keeps the largest size asked for: callers pack a bounded
 /// number of rows at a time.
 #[doc(hidden)]
-pub unsafe fn pack<A: Real>(
+pub unsafe fn pack<A: Real, const L: usize>(
     x: *const A,
     ic: usize,
     rows: usize,
     tile: usize,
-    lanes: usize,
 ) -> *const A {
+    let lanes = L;
     debug_assert!(std::mem::align_of::<A>() <= 8 && std::mem::size_of::<A>() <= 8);
     let vectors = ic.div_ceil(lanes);
     let len = rows * vectors * lanes;
@@ -48,10 +49,17 @@ pub unsafe fn pack<A: Real>(
         for j in 0..vectors {
             let n = lanes.min(ic - j * lanes);
             for r in 0..rs {
-                let dst = base.add((j * rs + r) * lanes);
-                std::ptr::copy_nonoverlapping(x.add((r0 + r) * ic + j * lanes), dst, n);
-                for i in n..lanes {
-                    *dst.add(i) = A::zero();
+                let (src, dst) = (
+                    x.add((r0 + r) * ic + j * lanes),
+                    base.add((j * rs + r) * lanes),
+                );
+                if n == L {
+                    std::ptr::copy_nonoverlapping(src, dst, L);
+                } else {
+                    std::ptr::copy_nonoverlapping(src, dst, n);
+                    for i in n..L {
+                        *dst.add(i) = A::zero();
+                    }
                 }
             }
         }
@@ -82,7 +90,8 @@ mod tests {
         // 5 rows of 10 values, tiles of 3 rows, 4 lanes: 3 vectors a row, the last half zeros.
         let x: Vec<f32> = (0..50).map(|i| i as f32 + 1.0).collect();
         // SAFETY: `x` holds 5 rows of 10.
-        let packed = unsafe { std::slice::from_raw_parts(pack(x.as_ptr(), 10, 5, 3, 4), 60) };
+        let packed =
+            unsafe { std::slice::from_raw_parts(pack::<f32, 4>(x.as_ptr(), 10, 5, 3), 60) };
         let at = |tile_start: usize, rs: usize, r: usize, k: usize| {
             packed[tile_start * 12 + ((k / 4) * rs + r) * 4 + k % 4]
         };

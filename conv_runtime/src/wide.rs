@@ -337,61 +337,30 @@ mod avx512 {
     const DENSE_ROWS: usize = 8;
     const DENSE_PAIRS: usize = 2;
 
-    /// Rows of `x` packed at a time ([`pack`]): 8 register tiles.
+    /// Rows of `x` packed at a time: 8 register tiles.
     const PACKED_ROWS: usize = 8 * DENSE_ROWS;
 
-    std::thread_local! {
-        /// Each thread's packed rows of `x`, kept from call to call.
-        static PACKED: std::cell::RefCell<Vec<f32>> = const { std::cell::RefCell::new(Vec::new()) };
-    }
-
-    /// Whether a register tile's rows of `x`, `ic` values apart, share the cache sets of an L1
-    /// way (4 KiB: 64 lines): then 8 rows and the weights' 4 exceed its 8 ways at every step.
-    fn aliased(ic: usize) -> bool {
-        let mut lines = 0u64;
-        for r in 0..DENSE_ROWS {
-            lines |= 1 << (r * ic * 4 % 4096 / 64);
-        }
-        lines.count_ones() < DENSE_ROWS as u32
-    }
-
-    /// [`super::dense`], the rows of `x` packed where they alias ([`aliased`]), in this
-    /// thread's buffer.
+    /// [`super::dense`] over chunks of [`PACKED_ROWS`] rows, each packed where its rows alias
+    /// ([`crate::packed_rows`]: a tile's rows then read as one stream), then output channels
+    /// outside (a block of `2 * DENSE_PAIRS` weight rows read by every row tile), rows inside,
+    /// as the 8-lane kernel.
     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
     pub unsafe fn dense(d: &Dense, x: *const f32, w: *const f32, bias: *const f32, y: *mut f32) {
-        if !aliased(d.ic) {
-            return dense_rows_of(d, x, w, bias, y, None);
-        }
-        PACKED.with(|cell| match cell.try_borrow_mut() {
-            // SAFETY: the caller's; the CPU has the features of `dense_rows_of`.
-            Ok(mut buffer) => unsafe { dense_rows_of(d, x, w, bias, y, Some(&mut buffer)) },
-            Err(_) => unsafe { dense_rows_of(d, x, w, bias, y, Some(&mut Vec::new())) },
-        })
-    }
-
-    /// [`super::dense`] over chunks of [`PACKED_ROWS`] rows, each packed into `buffer`
-    /// ([`pack`]) where given, then output channels outside (a block of `2 * DENSE_PAIRS`
-    /// weight rows read by every row tile), rows inside, as the 8-lane kernel.
-    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
-    unsafe fn dense_rows_of(
-        d: &Dense,
-        x: *const f32,
-        w: *const f32,
-        bias: *const f32,
-        y: *mut f32,
-        mut buffer: Option<&mut Vec<f32>>,
-    ) {
-        let vectors = d.ic / 8;
+        let pack = crate::packed_rows::aliased(d.ic, 4, DENSE_ROWS);
+        let padded = d.ic.div_ceil(8) * 8;
         let mut chunk0 = 0;
         while chunk0 < d.rows {
             let chunk = (d.rows - chunk0).min(PACKED_ROWS);
-            if let Some(buffer) = buffer.as_deref_mut() {
-                if buffer.len() < chunk * vectors * 8 {
-                    buffer.resize(chunk * vectors * 8, 0.0);
-                }
-                pack(x.add(chunk0 * d.ic), d.ic, chunk, buffer.as_mut_ptr());
-            }
-            let packed = buffer.as_deref().map(|b| b.as_ptr());
+            let packed = if pack {
+                Some(crate::packed_rows::pack::<f32, 8>(
+                    x.add(chunk0 * d.ic),
+                    d.ic,
+                    chunk,
+                    DENSE_ROWS,
+                ))
+            } else {
+                None
+            };
             let mut c0 = 0;
             while c0 < d.cols {
                 let cs = (d.cols - c0).min(2 * DENSE_PAIRS);
@@ -399,7 +368,7 @@ mod avx512 {
                 while r0 < chunk {
                     let rs = (chunk - r0).min(DENSE_ROWS);
                     let t = DenseTile {
-                        packed: packed.map(|p| p.add(r0 * vectors * 8)),
+                        packed: packed.map(|p| p.add(r0 * padded)),
                         x: x.add((chunk0 + r0) * d.ic),
                         w: w.add(c0 * d.ic),
                         ic: d.ic,
@@ -421,30 +390,9 @@ mod avx512 {
         }
     }
 
-    /// Copies the whole 8-lane vectors of `rows` rows of `x` (`ic` apart) into `packed`, each
-    /// register tile's rows interleaved: tile by tile (of [`DENSE_ROWS`], the last one
-    /// shorter), vector `j` of its rows side by side. A tile's loads then read one stream in
-    /// order, where its rows `ic` apart would share cache sets (4 KiB apart for 1024 inputs:
-    /// unpacked, MinAtar's `evaluate` at batch 32 took 1.4 times as long on a Zen 4 core).
-    #[inline(always)]
-    unsafe fn pack(x: *const f32, ic: usize, rows: usize, packed: *mut f32) {
-        let vectors = ic / 8;
-        let mut r0 = 0;
-        while r0 < rows {
-            let rs = (rows - r0).min(DENSE_ROWS);
-            let tile = packed.add(r0 * vectors * 8);
-            for j in 0..vectors {
-                for r in 0..rs {
-                    let v = _mm256_loadu_ps(x.add((r0 + r) * ic + 8 * j));
-                    _mm256_storeu_ps(tile.add((j * rs + r) * 8), v);
-                }
-            }
-            r0 += rs;
-        }
-    }
-
     /// One register tile's operands: `cols` (at most `2 * P`) rows of `w` against the rows of
-    /// `x` (also packed, [`pack`], where they alias), written to `y` with the bias.
+    /// `x` (also packed by [`crate::packed_rows::pack`] where they alias), written to `y`
+    /// with the bias.
     struct DenseTile {
         packed: Option<*const f32>,
         x: *const f32,

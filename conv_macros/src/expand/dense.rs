@@ -271,7 +271,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
             while chunk0 < batch.end {
                 let end = if batch.end - chunk0 < chunk { batch.end } else { chunk0 + chunk };
                 let packed = if __PACK && end - chunk0 > 1 {
-                    #rt::packed_rows::pack(xp.add(chunk0 * __IC), __IC, end - chunk0, #rows, __L)
+                    #rt::packed_rows::pack::<__A, { __L }>(xp.add(chunk0 * __IC), __IC, end - chunk0, #rows)
                 } else {
                     xp
                 };
