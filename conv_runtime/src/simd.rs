@@ -134,6 +134,20 @@ pub trait Simd: Copy {
         false
     }
 
+    /// Runs a dense layer's gradient products ([`crate::wide::axpys`]) on wider vectors than
+    /// `Self`'s where the CPU has them: `true` if it did. The same bits.
+    /// # Safety
+    /// As [`crate::wide::axpys`].
+    #[inline(always)]
+    unsafe fn wide_axpys(
+        _a: &crate::wide::Axpys,
+        _g: *const Self::Elem,
+        _v: *const Self::Elem,
+        _out: *mut Self::Elem,
+    ) -> bool {
+        false
+    }
+
     /// Runs a Winograd tile's transform ([`crate::winograd::tiles`]) over its `channels`
     /// channels (a multiple of `LANES`): a vector of `Self` at a time, or wider vectors where
     /// the CPU has them ([`crate::wide::channels`]). Lane-wise, so the same bits.
@@ -416,6 +430,15 @@ mod x86 {
                         y: *mut $elem,
                     ) -> bool {
                         crate::wide::dense(d, x, w, bias, y)
+                    }
+                    #[inline(always)]
+                    unsafe fn wide_axpys(
+                        a: &crate::wide::Axpys,
+                        g: *const $elem,
+                        v: *const $elem,
+                        out: *mut $elem,
+                    ) -> bool {
+                        crate::wide::axpys(a, g, v, out)
                     }
                     #[inline(always)]
                     unsafe fn channels<V, T>(t: &T, channels: usize)

@@ -1,5 +1,5 @@
 //! The Winograd layers' matrix products and tile transforms, and the dense layers' forward dot
-//! products, on AVX-512's registers where the CPU has them.
+//! products and gradients, on AVX-512's registers where the CPU has them.
 //!
 //! Generated kernels are written for 8-lane vectors, so that their blocking and the packed
 //! weights are the same on every x86-64 CPU. A Winograd layer spends most of its time in the
@@ -16,10 +16,13 @@
 //!
 //! A dense layer's forward pass sums dot products across the lanes of 8-lane vectors; [`dense`]
 //! keeps those vectors, two to a zmm register, in a larger register tile than 16 ymm registers
-//! allow.
+//! allow. Its gradients ([`axpys`]) are lane-wise sums of scaled rows, run 64 values wide.
 
 use crate::winograd::tiles::Transform;
 use crate::winograd::Variant;
+
+mod gradients;
+pub use gradients::{axpys, Axpys};
 
 /// One chunk's products, as the generated `__wino_gemm` and `__wino_data_product` lay them
 /// out: for each tile element `e`, `o[e][r][..n] = a[e][r][..k] . w[e]` for the first `count`

@@ -8,7 +8,9 @@
 //!   bits); where rows of `x` share the L1 cache's sets, each tile's rows are first copied
 //!   side by side (`conv_runtime::packed_rows`);
 //! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
-//! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient.
+//! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient
+//!   (both gradients, on AVX-512, in tiles four times as wide, `conv_runtime::wide::axpys`: the
+//!   same bits).
 //!
 //! The gradients skip the terms whose output gradient is zero, where they are most of a register
 //! tile's: after a ReLU (or a loss on one action per row) most are, and each adds an exact zero.
@@ -370,6 +372,18 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // at a time (the first written, the others added). Input stripes outside, rows
             // inside: a stripe of `w` (copied, see `__dense_stripe`) stays in L1 for every row.
             let out = dx.part(batch.start * __IC, batch.len() * __IC);
+            let (first, end) = (chunks.start * __CHUNK, if chunks.end * __CHUNK < __OC { chunks.end * __CHUNK } else { __OC });
+            // Wider tiles on AVX-512's registers where the CPU has them: the same bits.
+            if first < end
+                && __S::wide_axpys(
+                    &#rt::wide::Axpys { n: __IC, rows: batch.len(), terms: end - first, gs: __OC, gj: 1, add: false },
+                    dz.as_ptr().add(batch.start * __OC + first),
+                    w.as_ptr().add(first * __IC),
+                    out.as_mut_ptr(),
+                )
+            {
+                return;
+            }
             let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
             // The nonzero terms of each row's chunks of channels.
             let mut masks = [0u64; __DATA_MASKS];
@@ -380,7 +394,6 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     }
                 }
             }
-            let (first, end) = (chunks.start * __CHUNK, if chunks.end * __CHUNK < __OC { chunks.end * __CHUNK } else { __OC });
             let mut k0 = 0;
             while k0 < __IC {
                 let mut o0 = first;
@@ -434,6 +447,15 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // stripes outside, channels inside: a stripe of `x` (copied, see
             // `__dense_stripe`) stays in L1 for every channel.
             let rows = dw.part(channels.start * __IC, channels.len() * __IC);
+            // Wider tiles on AVX-512's registers where the CPU has them: the same bits.
+            if __S::wide_axpys(
+                &#rt::wide::Axpys { n: __IC, rows: channels.len(), terms: __BATCH, gs: 1, gj: __OC, add: true },
+                dz.as_ptr().add(channels.start),
+                x.as_ptr(),
+                rows.as_mut_ptr(),
+            ) {
+                return;
+            }
             let mut stripe = [0.0 as __A; __CHUNK * #vecs * __L];
             // The nonzero terms (batch rows) of each channel's chunks of rows.
             let mut masks = [0u64; __WEIGHT_MASKS];

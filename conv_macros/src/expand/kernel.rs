@@ -264,7 +264,7 @@ pub fn avx2_target() -> TokenStream {
 /// faster on any benchmarked layer or network (on Zen 4), and was one more copy of every kernel
 /// to compile. Where AVX-512 pays, the kernels call functions compiled once in the runtime
 /// (`conv_runtime::wide`): the Winograd products and tile transforms, and the dense layers'
-/// forward dot products.
+/// forward dot products and gradients.
 pub fn dispatched(
     dtype: Dtype,
     name: &str,
