@@ -92,6 +92,9 @@ const PACK_CAPACITY: usize = 32;
 pub struct Cpu {
     packs: Vec<Packed>,
     clock: u64,
+    /// Keys asked about by [`Cpu::__reused`] without a packed copy, and how often: the most
+    /// recently asked last.
+    asked: Vec<(PackKey, u32)>,
     scratch: Scratch,
     pool: Pool,
     /// Networks' workspaces, kept between calls (`crate::network::NetworkDevice`).
@@ -367,6 +370,28 @@ impl Cpu {
     #[doc(hidden)]
     pub fn __pool(&self) -> &Pool {
         &self.pool
+    }
+
+    /// Whether parameters are worth an optional packed copy (one a kernel can do without): a
+    /// copy for `key` is cached, or this is the `uses`-th time `key` is asked about. Parameters
+    /// that change after each use or two (a network being trained) never get one; those used
+    /// unchanged (a target network, inference) do, once.
+    #[doc(hidden)]
+    pub fn __reused(&mut self, key: PackKey, uses: u32) -> bool {
+        /// Keys remembered: a few per network.
+        const ASKED: usize = 16;
+        if self.packs.iter().any(|p| p.key == key) {
+            return true;
+        }
+        let count = match self.asked.iter().position(|(k, _)| *k == key) {
+            Some(i) => self.asked.remove(i).1 + 1,
+            None => 1,
+        };
+        if self.asked.len() >= ASKED {
+            self.asked.remove(0);
+        }
+        self.asked.push((key, count));
+        count >= uses
     }
 
     /// Packed parameters for `key` (built by `pack` on a miss, on the device's threads; it

@@ -16,13 +16,16 @@
 //!
 //! A dense layer's forward pass sums dot products across the lanes of 8-lane vectors; [`dense`]
 //! keeps those vectors, two to a zmm register, in a larger register tile than 16 ymm registers
-//! allow. Its gradients ([`axpys`]) are lane-wise sums of scaled rows, run 64 values wide.
+//! allow. Where its inputs are mostly zeros, [`sparse()`] chooses the same sums over the
+//! nonzero ones only. Its gradients ([`axpys`]) are lane-wise sums of scaled rows, run 64 values wide.
 
 use crate::winograd::tiles::Transform;
 use crate::winograd::Variant;
 
 mod gradients;
+mod sparse;
 pub use gradients::{axpys, Axpys};
+pub use sparse::{sparse, transpose, transposed_len};
 
 /// One chunk's products, as the generated `__wino_gemm` and `__wino_data_product` lay them
 /// out: for each tile element `e`, `o[e][r][..n] = a[e][r][..k] . w[e]` for the first `count`
@@ -103,6 +106,12 @@ pub struct Dense {
     pub cols: usize,
     /// `y`'s row stride.
     pub ldy: usize,
+    /// The weights transposed ([`transpose`]'s copy: a row per input, `ldt` apart, from the
+    /// first of the `cols` output channels), or null: where rows of `x` are mostly zeros
+    /// ([`sparse()`]), the pass runs over their nonzero inputs only, on this copy (`sparse.rs`:
+    /// the same bits).
+    pub wt: *const f32,
+    pub ldt: usize,
 }
 
 /// Runs `d`'s dot products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it
@@ -116,7 +125,9 @@ pub struct Dense {
 ///
 /// # Safety
 /// `x` holds `d.rows` rows and `w` holds `d.cols` rows, `d.ic` apart; `bias` holds `d.cols`
-/// values; `y` can be written at `r * d.ldy + c` for every `r < d.rows`, `c < d.cols`.
+/// values; `y` can be written at `r * d.ldy + c` for every `r < d.rows`, `c < d.cols`; `d.wt`
+/// is null or holds [`transpose`]'s copy of the layer's weights from the first of the `cols`
+/// channels on (rows `d.ldt` apart).
 #[doc(hidden)]
 #[inline]
 pub unsafe fn dense(
@@ -129,7 +140,11 @@ pub unsafe fn dense(
     #[cfg(target_arch = "x86_64")]
     {
         if crate::simd::avx512() {
-            avx512::dense(d, x, w, bias, y);
+            if d.wt.is_null() {
+                avx512::dense(d, x, w, bias, y);
+            } else {
+                sparse::avx512::dense(d, x, bias, y);
+            }
             return true;
         }
     }
@@ -785,12 +800,14 @@ mod tests {
         let mut rng = crate::Rng::seed_from_u64(9);
         for ic in [1, 7, 8, 9, 100, 1024] {
             for rows in [1, 2, 3, 8, 9, 17] {
-                for cols in [1, 2, 3, 4, 5, 13] {
-                    let d = Dense {
+                for cols in [1, 2, 3, 4, 5, 13, 130] {
+                    let mut d = Dense {
                         ic,
                         rows,
                         cols,
                         ldy: cols + 3,
+                        wt: std::ptr::null(),
+                        ldt: 0,
                     };
                     let mut fill = |len: usize| -> Vec<f32> {
                         (0..len).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
@@ -822,6 +839,38 @@ mod tests {
                             g.to_bits(),
                             w.to_bits(),
                             "ic {ic} rows {rows} cols {cols} at {i}"
+                        );
+                    }
+                    // Over the nonzero inputs of a transposed copy (finite weights: a NaN
+                    // times a skipped zero is not there to spread), with half the inputs
+                    // zero and the first `ic` in row 0 alone (the other row of its pair
+                    // zero there).
+                    w[(cols - 1) * ic] = 0.5;
+                    for (i, v) in x.iter_mut().enumerate() {
+                        if *v < 0.0 || (i % ic < 3 && i >= ic) {
+                            *v = 0.0;
+                        }
+                    }
+                    let mut wt = vec![f32::NAN; transposed_len(cols, ic)];
+                    transpose(&w, cols, ic, &mut wt);
+                    (d.wt, d.ldt) = (wt.as_ptr(), cols);
+                    let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
+                    // SAFETY: as above; `wt` holds `ic` rows of `cols`.
+                    unsafe {
+                        assert!(dense(
+                            &d,
+                            x.as_ptr(),
+                            w.as_ptr(),
+                            bias.as_ptr(),
+                            got.as_mut_ptr()
+                        ));
+                        dense_reference(&d, &x, &w, &bias, &mut want);
+                    }
+                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                        assert_eq!(
+                            g.to_bits(),
+                            w.to_bits(),
+                            "sparse: ic {ic} rows {rows} cols {cols} at {i}"
                         );
                     }
                 }

@@ -6,7 +6,10 @@
 //!   `ROWS x COLS` of them per register tile, each summed across lanes once at the end (on
 //!   AVX-512, two per zmm register in larger tiles, `conv_runtime::wide::dense`: the same
 //!   bits); where rows of `x` share the L1 cache's sets, each tile's rows are first copied
-//!   side by side (`conv_runtime::packed_rows`);
+//!   side by side (`conv_runtime::packed_rows`); where they are mostly zeros (after a ReLU) and
+//!   the weights are used unchanged (a target network's, inference), over their nonzero
+//!   inputs only, on a transposed copy of the weights (`conv_runtime::wide::sparse`: the same
+//!   bits);
 //! - input gradient: `dx[b] = sum_o dz[b][o] w[o]`, rows of `w` scaled and added in vectors;
 //! - weight gradient: `dw[o] += sum_b dz[b][o] x[b]`, likewise, straight into the gradient
 //!   (both gradients, on AVX-512, in tiles four times as wide, `conv_runtime::wide::axpys`: the
@@ -243,10 +246,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
         TokenStream::new(),
         TokenStream::new(),
         quote! {
-            x: &[__A], w: &[__A], b: &[__A], y: &#rt::Shared<'_, __A>,
+            x: &[__A], w: &[__A], wt: &[__A], b: &[__A], y: &#rt::Shared<'_, __A>,
             batch: ::core::ops::Range<usize>, channels: ::core::ops::Range<usize>,
         },
-        quote!(x, w, b, y, batch, channels),
+        quote!(x, w, wt, b, y, batch, channels),
         quote! {
             // Channels outside, rows inside: a block of `COLS` weight rows stays in L1 for
             // every row (the whole of `w` does not stay in L2 beside the gradients). One row
@@ -256,7 +259,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
             if batch.len() > 1
                 && !channels.is_empty()
                 && __S::wide_dense(
-                    &#rt::wide::Dense { ic: __IC, rows: batch.len(), cols: channels.len(), ldy: __OC },
+                    &#rt::wide::Dense {
+                        ic: __IC, rows: batch.len(), cols: channels.len(), ldy: __OC,
+                        // The transposed copy where `__conv` made one (f32 layers only).
+                        wt: if wt.is_empty() { ::core::ptr::null() } else { wt.as_ptr().add(channels.start) as *const f32 },
+                        ldt: __OC,
+                    },
                     xp.add(batch.start * __IC),
                     wp.add(channels.start * __IC),
                     b.as_ptr().add(channels.start),
@@ -581,6 +589,17 @@ pub fn expand(spec: &Spec) -> TokenStream {
             }
         },
     );
+    let layout = super::cpu::layout_id(spec, 6);
+    let (sparse, transpose) = if spec.dtype == Dtype::F32 {
+        (
+            quote!(__B > 1 && cpu.__reused(transposed, 3) && #rt::wide::sparse(x)),
+            quote!(|_, out: &mut [__A]| if sparse {
+                #rt::wide::transpose(layer.weights.as_slice(), __OC, __IC, out)
+            }),
+        )
+    } else {
+        (quote!(false), quote!(|_, _| {}))
+    };
     quote! {
         /// Dense layer + bias of `B` rows into `ya` (`None`: scratch), with
         /// `epilogue(rows' results, first row, rows)` on each worker's rows while in cache (on
@@ -603,13 +622,19 @@ pub fn expand(spec: &Spec) -> TokenStream {
             let work = (if __B < #rows { #rows } else { __B }) * __IC * __OC;
             let parts = cpu.__pool().workers(__B.div_ceil(#rows), work);
             let y_scratch = if ya.is_some() { 0 } else { __B * __OC };
-            let ws = cpu.__workspace::<__A>(
-                #rt::PackKey { stamps: [0, 0], layout: 0 },
-                0,
-                |_, _| {},
-                y_scratch,
-            );
-            let pool = ws.pool;
+            // Mostly zero rows (after a ReLU), on AVX-512: a transposed copy of the weights lets
+            // the pass skip the zeros (`wide::sparse`: the same bits). Made for weights used
+            // unchanged (a target network's, or for inference: the third pass with the same
+            // weights), not for those an optimizer changes after each step.
+            let transposed = #rt::PackKey { stamps: [layer.weights.stamp(), 0], layout: #layout };
+            let sparse = #sparse;
+            let (key, len) = if sparse {
+                (transposed, #rt::wide::transposed_len(__OC, __IC))
+            } else {
+                (#rt::PackKey { stamps: [0, 0], layout: 0 }, 0)
+            };
+            let ws = cpu.__workspace::<__A>(key, len, #transpose, y_scratch);
+            let (pool, wt) = (ws.pool, ws.packed);
             let y = match ya {
                 ::core::option::Option::Some(y) => y,
                 ::core::option::Option::None => #rt::Shared::new(&mut ws.scratch[..__B * __OC]),
@@ -633,7 +658,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     // SAFETY: the worker's own rows, whole; the slices have the lengths the
                     // kernel reads.
                     unsafe {
-                        __dense_forward(x, w, b, &y, batch.clone(), 0..__OC);
+                        __dense_forward(x, w, wt, b, &y, batch.clone(), 0..__OC);
                         relu(y.part(batch.start * __OC, batch.len() * __OC), batch.start, batch.len());
                         then(batch.start, batch.len());
                     }
@@ -650,7 +675,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
                     let channels = range.start * block..if end < __OC { end } else { __OC };
                     // SAFETY: the worker's own channels of every row (elements written one by
                     // one); the slices have the lengths the kernel reads.
-                    unsafe { __dense_forward(x, w, b, &y, 0..__B, channels) };
+                    unsafe { __dense_forward(x, w, wt, b, &y, 0..__B, channels) };
                 });
                 // SAFETY: the workers are done: the whole output is the caller's.
                 relu(unsafe { y.part(0, __B * __OC) }, 0, __B);
