@@ -152,6 +152,18 @@ pub unsafe fn dense(
     false
 }
 
+/// The first `n` of 16 lanes (all 16 where `n >= 16`): the masks of the AVX-512 kernels'
+/// ragged ends.
+#[cfg(target_arch = "x86_64")]
+#[inline(always)]
+fn lanes(n: usize) -> std::arch::x86_64::__mmask16 {
+    if n >= 16 {
+        0xffff
+    } else {
+        (1u16 << n) - 1
+    }
+}
+
 // Index loops over the tiles' rows and columns, as `crate::winograd` writes them.
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
@@ -820,27 +832,26 @@ mod tests {
                         *v = -0.0;
                     }
                     // The rows' gaps stay NaN: nothing is written past `cols`.
-                    let len = rows * d.ldy;
-                    let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
-                    // SAFETY: the buffers have the lengths `Dense` describes; the CPU has
-                    // AVX-512F, AVX-512VL, AVX2 and FMA (`avx512()`).
-                    unsafe {
-                        assert!(dense(
-                            &d,
-                            x.as_ptr(),
-                            w.as_ptr(),
-                            bias.as_ptr(),
-                            got.as_mut_ptr()
-                        ));
-                        dense_reference(&d, &x, &w, &bias, &mut want);
-                    }
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "ic {ic} rows {rows} cols {cols} at {i}"
-                        );
-                    }
+                    let check = |d: &Dense, x: &[f32], w: &[f32], what: &str| {
+                        let len = rows * d.ldy;
+                        let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
+                        // SAFETY: the buffers have the lengths `Dense` describes (`wt` holds
+                        // `ic` rows of `cols` where it is not null); the CPU has AVX-512F,
+                        // AVX-512VL, AVX2 and FMA (`avx512()`).
+                        unsafe {
+                            let out = got.as_mut_ptr();
+                            assert!(dense(d, x.as_ptr(), w.as_ptr(), bias.as_ptr(), out));
+                            dense_reference(d, x, w, &bias, &mut want);
+                        }
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                g.to_bits(),
+                                w.to_bits(),
+                                "{what}: ic {ic} rows {rows} cols {cols} at {i}"
+                            );
+                        }
+                    };
+                    check(&d, &x, &w, "dot products");
                     // Over the nonzero inputs of a transposed copy (finite weights: a NaN
                     // times a skipped zero is not there to spread), with half the inputs
                     // zero and the first `ic` in row 0 alone (the other row of its pair
@@ -854,25 +865,7 @@ mod tests {
                     let mut wt = vec![f32::NAN; transposed_len(cols, ic)];
                     transpose(&w, cols, ic, &mut wt);
                     (d.wt, d.ldt) = (wt.as_ptr(), cols);
-                    let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
-                    // SAFETY: as above; `wt` holds `ic` rows of `cols`.
-                    unsafe {
-                        assert!(dense(
-                            &d,
-                            x.as_ptr(),
-                            w.as_ptr(),
-                            bias.as_ptr(),
-                            got.as_mut_ptr()
-                        ));
-                        dense_reference(&d, &x, &w, &bias, &mut want);
-                    }
-                    for (i, (g, w)) in got.iter().zip(&want).enumerate() {
-                        assert_eq!(
-                            g.to_bits(),
-                            w.to_bits(),
-                            "sparse: ic {ic} rows {rows} cols {cols} at {i}"
-                        );
-                    }
+                    check(&d, &x, &w, "nonzero inputs");
                 }
             }
         }

@@ -62,6 +62,7 @@ pub unsafe fn axpys(a: &Axpys, g: *const f32, v: *const f32, out: *mut f32) -> b
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
     use super::{Axpys, CHUNK};
+    use crate::wide::lanes;
     use std::arch::x86_64::*;
     use std::cell::RefCell;
 
@@ -221,16 +222,6 @@ mod avx512 {
             let row = &masks[r as usize * chunks..(r as usize + 1) * chunks];
             std::cmp::Reverse(row.iter().map(|m| m.count_ones()).sum::<u32>())
         });
-    }
-
-    /// The first `n` of 16 lanes (all 16 where `n >= 16`).
-    #[inline(always)]
-    fn lanes(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            (1u16 << n) - 1
-        }
     }
 
     /// Copies the terms of `union` (chunk `j0`'s) into the stripe and asks for their next

@@ -70,7 +70,7 @@ pub fn transpose(w: &[f32], oc: usize, ic: usize, out: &mut [f32]) {
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 pub(super) mod avx512 {
-    use crate::wide::Dense;
+    use crate::wide::{lanes, Dense};
     use std::arch::x86_64::*;
     use std::cell::RefCell;
 
@@ -280,16 +280,6 @@ pub(super) mod avx512 {
                 let out = _mm512_add_ps(_mm512_maskz_loadu_ps(m, t.bias.add(c)), dot);
                 _mm512_mask_storeu_ps(y.add(c), m, out);
             }
-        }
-    }
-
-    /// The first `n` of 16 lanes (all 16 where `n >= 16`).
-    #[inline(always)]
-    fn lanes(n: usize) -> __mmask16 {
-        if n >= 16 {
-            0xffff
-        } else {
-            (1u16 << n) - 1
         }
     }
 }
