@@ -18,9 +18,9 @@
 pub fn sparse(x: &[f32]) -> bool {
     const SAMPLE: usize = 8192;
     /// Nonzero inputs, as a share, above which the dot products are as fast: MinAtar's dense
-    /// layer at batch 32 (1024 -> 128, AMD Zen 4) took 77 us on the copy against 85 us with the
-    /// dot products at 0.64 nonzero (a DQN's first 40,000 frames), 75 us against 98 us at
-    /// about 0.5 (100,000 frames), in profiles of the whole agent.
+    /// layer at batch 32 (1024 -> 128, AMD Zen 4) took 77 us on the copy against about 90 us
+    /// with the dot products at 0.64 nonzero (a DQN's first 40,000 frames), 75 us against 98 us
+    /// at about 0.5 (100,000 frames), in profiles of the whole agent.
     const MAX_DENSITY: f32 = 0.7;
     #[cfg(target_arch = "x86_64")]
     {
