@@ -82,9 +82,18 @@ impl<E> Transform<E> for Output<E> {
         let b = S::load(self.bias.add(c));
         let t = super::output_columns::<V, S>(self.m.add(c), self.stride);
         let (down, right) = self.extent;
-        for r in 0..down {
+        // Loops over the constant `M` with the extent as a condition: every index into `t` and
+        // `out` is then a constant, so both stay in registers (an index bounded by the extent
+        // kept them in memory, zeroed on each call).
+        for r in 0..V::M {
+            if r >= down {
+                break;
+            }
             let out = V::at(t[r]);
-            for j in 0..right {
+            for j in 0..V::M {
+                if j >= right {
+                    break;
+                }
                 let mut value = out[j].add(b);
                 if self.relu {
                     value = value.max(S::zero());
@@ -113,9 +122,12 @@ impl<E> Transform<E> for Gradient<E> {
     unsafe fn run<V: Variant, S: Simd<Elem = E>>(&self, c: usize) {
         let mut t = [[S::zero(); MAX]; MAX];
         let (down, right) = self.extent;
-        for r in 0..down {
-            for j in 0..right {
-                t[r][j] = S::load(self.dy.add(r * self.row + j * self.col + c));
+        // Constant indices, the extent a condition (as in [`Output`]): `t` stays in registers.
+        for r in 0..V::M {
+            for j in 0..V::M {
+                if r < down && j < right {
+                    t[r][j] = S::load(self.dy.add(r * self.row + j * self.col + c));
+                }
             }
         }
         super::gradient::<V, S>(t, self.n.add(c), self.stride);
