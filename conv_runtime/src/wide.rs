@@ -25,7 +25,7 @@ use crate::winograd::Variant;
 mod gradients;
 mod sparse;
 pub use gradients::{axpys, Axpys};
-pub use sparse::{sparse, transpose, transposed_len};
+pub use sparse::{nonzero_at_most, sparse, transpose, transposed_len};
 
 /// One chunk's products, as the generated `__wino_gemm` and `__wino_data_product` lay them
 /// out: for each tile element `e`, `o[e][r][..n] = a[e][r][..k] . w[e]` for the first `count`

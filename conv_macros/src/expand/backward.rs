@@ -21,7 +21,7 @@ use super::kernel::{
     array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
     VECTOR_REGISTERS,
 };
-use super::{lit, rt, usize_consts, Names};
+use super::{lit, rt, scatter, usize_consts, Names};
 use crate::spec::{Dtype, Spec};
 
 /// Pixels per weight-gradient chunk: their input offsets live on the stack and their
@@ -45,7 +45,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
     } else {
         data_kernel(spec)
     };
-    let weights = weights_kernel(spec);
+    let mut weights = weights_kernel(spec);
+    if scatter::applies(spec) {
+        weights.extend(scatter::weights(
+            &Blocking::new(spec.dtype, spec.out_channels).broadcasts_held(),
+        ));
+    }
     let pass = backward_pass(spec, &data);
     let data = data.kernel;
     quote! {
@@ -596,7 +601,9 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
     let rt = rt();
     let input = if staged(spec) {
         quote! {
-            __stage::<{ __BATCH }>(pool, x, x_scratch);
+            if !sparse {
+                __stage::<{ __BATCH }>(pool, x, x_scratch);
+            }
             let xa: &[__A] = x_scratch;
         }
     } else {
@@ -620,6 +627,21 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
         }
     };
     let in_place = dz_in_place(spec);
+    let weight_call = if scatter::applies(spec) {
+        quote! {
+            if sparse {
+                #[cfg(target_arch = "x86_64")]
+                __scatter_weights(x, dz, dw, blocks);
+            } else {
+                __weight_tiles(xa, dz, dw, blocks);
+            }
+        }
+    } else {
+        quote!({
+            let _ = sparse;
+            __weight_tiles(xa, dz, dw, blocks)
+        })
+    };
     pass_fn(
         spec,
         quote! {
@@ -662,6 +684,9 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
             #dz
 
             if let ::core::option::Option::Some(g) = grads {
+                // Mostly zero inputs take the scatter pass: the same results
+                // (`expand::scatter`).
+                let sparse = __scattered(x);
                 #input
                 #bias
                 let dw = #rt::Shared::new(dw);
@@ -669,7 +694,7 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
                     // SAFETY: the worker's own rows (written by the first chunk: scratch is not
                     // cleared), the slices have the lengths the kernel is built on (checked in
                     // debug).
-                    unsafe { __weight_tiles(xa, dz, dw, blocks) };
+                    unsafe { #weight_call };
                 });
                 // SAFETY: the workers are done.
                 let dw: &[__A] = unsafe { dw.part(0, dw.len()) };

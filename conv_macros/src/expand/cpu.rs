@@ -19,7 +19,7 @@ use quote::{format_ident, quote};
 use super::kernel::{
     array_by_loop, dispatched, fma_step, init_accumulators, write_accumulators, Blocking,
 };
-use super::{acc, backward, dense, elem, lit, norm, onednn, rt, usize_consts, winograd};
+use super::{acc, backward, dense, elem, lit, norm, onednn, rt, scatter, usize_consts, winograd};
 use crate::spec::{Activation, Norm, Spec};
 
 /// The runtime's activation type for a spec's activation.
@@ -179,13 +179,39 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
     let stage_call = if staged(spec) {
         quote! {
             let (xa, rest) = ws.scratch.split_at_mut(__B * __XH * __XW * __IC);
-            __stage::<{ __B }>(pool, x, xa);
+            if !sparse {
+                __stage::<{ __B }>(pool, x, xa);
+            }
             let xa: &[__A] = xa;
         }
     } else {
         quote!(let (xa, rest): (&[__A], &mut [__A]) = (x, ws.scratch);)
     };
 
+    let dense_call = quote! {
+        let tail = tails.part(range.start * __P * __OC, __P * __OC);
+        __conv_tiles(xa, w, ya, tail, epilogue, then, first..end, __RELU);
+    };
+    let (scatter_test, scatter, tiles_call) = if scatter::applies(spec) {
+        (
+            scatter::test(spec),
+            scatter::forward(spec, blk),
+            quote! {
+                if sparse {
+                    #[cfg(target_arch = "x86_64")]
+                    __scatter_tiles(x, w, ya, epilogue, then, first..end, __RELU);
+                } else {
+                    #dense_call
+                }
+            },
+        )
+    } else {
+        (
+            scatter::test(spec),
+            TokenStream::new(),
+            quote!(let _ = sparse; #dense_call),
+        )
+    };
     let kernel = dispatched(
         spec.dtype,
         "conv_tiles",
@@ -262,6 +288,8 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 #staged_len + parts * __P * __OC + y_scratch,
             );
             let (w, pool) = (ws.packed, ws.pool);
+            // Mostly zero inputs take the scatter pass: the same results (`expand::scatter`).
+            let sparse = __scattered(x);
             #stage_call
             let (tails, rest) = rest.split_at_mut(parts * __P * __OC);
             let ya = match ya {
@@ -275,13 +303,14 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 // SAFETY: each worker has its own tail (`range` is its own), the tile ranges are
                 // disjoint, every slice has the length the kernel is built on (checked in debug).
                 unsafe {
-                    let tail = tails.part(range.start * __P * __OC, __P * __OC);
-                    __conv_tiles(xa, w, ya, tail, epilogue, then, first..end, __RELU);
+                    #tiles_call
                 }
             });
         }
 
         #kernel
+        #scatter_test
+        #scatter
 
         /// OHWI weights -> `[block][kh][kw][ic][lanes]`, zero-padded, then the biases, the
         /// blocks dealt to the workers (each a contiguous run written in order, from `width`

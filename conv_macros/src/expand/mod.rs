@@ -7,6 +7,7 @@ mod dense;
 pub(crate) mod kernel;
 mod norm;
 mod onednn;
+mod scatter;
 pub(crate) mod types;
 mod winograd;
 

@@ -35,6 +35,34 @@ pub fn sparse(x: &[f32]) -> bool {
     false
 }
 
+/// Whether at most `limit` of `x`'s values are nonzero (NaN counts), read a block at a time
+/// until the count passes it: a convolution's test of its input before a pass over the
+/// nonzero values only, which reads little of a dense input.
+#[doc(hidden)]
+pub fn nonzero_at_most(x: &[f32], limit: usize) -> bool {
+    const BLOCK: usize = 256;
+    let mut count = 0;
+    for block in x.chunks(BLOCK) {
+        count += nonzero(block);
+        if count > limit {
+            return false;
+        }
+    }
+    true
+}
+
+/// Nonzero values of `x` (NaN counts).
+fn nonzero(x: &[f32]) -> usize {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() {
+            // SAFETY: AVX-512F is present.
+            return unsafe { avx512::nonzero(x) };
+        }
+    }
+    x.iter().filter(|v| **v != 0.0).count()
+}
+
 /// The length of [`transpose`]'s copy of an `oc x ic` layer's weights.
 #[doc(hidden)]
 pub const fn transposed_len(oc: usize, ic: usize) -> usize {
