@@ -212,6 +212,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             quote!(let _ = sparse; #dense_call),
         )
     };
+    let finished = tile_finished();
     let kernel = dispatched(
         spec.dtype,
         "conv_tiles",
@@ -231,8 +232,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             ::core::debug_assert!(x.len() >= total / __NPIX * __XH * __XW * __IC && w.len() == __PACKED_LEN);
             ::core::debug_assert!(total % __NPIX == 0 && tail.len() == __P * __OC);
             let (x, w) = (x.as_ptr(), w.as_ptr());
-            // `then` hears of finished pixels a map row at a time (where a tile reaches or
-            // crosses a row's end) and at the range's end: one report per row, not per tile.
+            // `then` hears of finished pixels a map row at a time (`tile_finished`).
             let (mut reported, last) = (tiles.start * __P, tiles.end);
             for tile in tiles {
                 let q0 = tile * __P;
@@ -247,12 +247,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
                 if valid < __P {
                     yt.copy_from_slice(&tail[..valid * __OC]);
                 }
-                epilogue(yt, q0, valid);
-                let end = q0 + valid;
-                if end / __OW != reported / __OW || tile + 1 == last {
-                    then(reported, end - reported);
-                    reported = end;
-                }
+                #finished
             }
         },
     );
@@ -343,6 +338,21 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         }
 
         #(#tiles)*
+    }
+}
+
+/// A forward tile's end in a tile loop (`__conv_tiles`, `__scatter_tiles`): `epilogue` on the
+/// tile's `valid` pixels `yt` from `q0`, then `then` told of the finished pixels a map row at a
+/// time (where a tile reaches or crosses a row's end) and at the range's end (`last` tiles),
+/// one report per row, not per tile.
+pub fn tile_finished() -> TokenStream {
+    quote! {
+        epilogue(yt, q0, valid);
+        let end = q0 + valid;
+        if end / __OW != reported / __OW || tile + 1 == last {
+            then(reported, end - reported);
+            reported = end;
+        }
     }
 }
 

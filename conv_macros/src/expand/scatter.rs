@@ -174,6 +174,7 @@ pub fn forward(spec: &Spec, blk: &Blocking) -> TokenStream {
             #(#fmas)*
         },
     );
+    let finished = super::cpu::tile_finished();
     let kernel = avx2_only(
         "scatter_tiles",
         quote! {
@@ -219,12 +220,7 @@ pub fn forward(spec: &Spec, blk: &Blocking) -> TokenStream {
                         __S::load_partial(p.add(i), n).max(__S::zero()).store_partial(p.add(i), n);
                     }
                 }
-                epilogue(yt, q0, valid);
-                let end = q0 + valid;
-                if end / __OW != reported / __OW || tile + 1 == last {
-                    then(reported, end - reported);
-                    reported = end;
-                }
+                #finished
             }
         },
     );
