@@ -192,9 +192,9 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
         let tail = tails.part(range.start * __P * __OC, __P * __OC);
         __conv_tiles(xa, w, ya, tail, epilogue, then, first..end, __RELU);
     };
-    let (scatter_test, scatter, tiles_call) = if scatter::applies(spec) {
+    let scatter_test = scatter::test(spec);
+    let (scatter, tiles_call) = if scatter::applies(spec) {
         (
-            scatter::test(spec),
             scatter::forward(spec, blk),
             quote! {
                 if sparse {
@@ -206,11 +206,7 @@ fn forward_kernel(spec: &Spec, blk: &Blocking) -> TokenStream {
             },
         )
     } else {
-        (
-            scatter::test(spec),
-            TokenStream::new(),
-            quote!(let _ = sparse; #dense_call),
-        )
+        (TokenStream::new(), quote!(let _ = sparse; #dense_call))
     };
     let finished = tile_finished();
     let kernel = dispatched(

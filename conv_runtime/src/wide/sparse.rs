@@ -25,10 +25,8 @@ pub fn sparse(x: &[f32]) -> bool {
     #[cfg(target_arch = "x86_64")]
     {
         if crate::simd::avx512() {
-            // SAFETY: AVX-512F is present.
             let x = &x[..x.len().min(SAMPLE)];
-            let nonzero = unsafe { avx512::nonzero(x) };
-            return (nonzero as f32) <= MAX_DENSITY * x.len() as f32;
+            return nonzero_at_most(x, (MAX_DENSITY * x.len() as f32) as usize);
         }
     }
     let _ = x;
