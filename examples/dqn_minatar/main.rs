@@ -170,13 +170,20 @@ fn parse_args() -> Result<Config, String> {
     Ok(config)
 }
 
-/// The replay buffer: states bit-packed (the state is boolean), a ring of `REPLAY`.
+/// One transition, states bit-packed (the state is boolean): two cache lines, read together.
+#[derive(Clone, Copy)]
+#[repr(align(64))]
+struct Transition {
+    state: [u64; WORDS],
+    next: [u64; WORDS],
+    action: usize,
+    reward: f32,
+    terminal: bool,
+}
+
+/// The replay buffer: a ring of `REPLAY` transitions.
 struct Replay {
-    states: Vec<[u64; WORDS]>,
-    next: Vec<[u64; WORDS]>,
-    actions: Vec<usize>,
-    rewards: Vec<f32>,
-    terminal: Vec<bool>,
+    transitions: Vec<Transition>,
     len: usize,
     at: usize,
 }
@@ -203,26 +210,22 @@ fn unpack(words: &[u64; WORDS], out: &mut [f32]) {
 
 impl Replay {
     fn new() -> Self {
+        let empty = Transition {
+            state: [0; WORDS],
+            next: [0; WORDS],
+            action: 0,
+            reward: 0.0,
+            terminal: false,
+        };
         Self {
-            states: vec![[0; WORDS]; REPLAY],
-            next: vec![[0; WORDS]; REPLAY],
-            actions: vec![0; REPLAY],
-            rewards: vec![0.0; REPLAY],
-            terminal: vec![false; REPLAY],
+            transitions: vec![empty; REPLAY],
             len: 0,
             at: 0,
         }
     }
 
-    fn push(&mut self, s: [u64; WORDS], a: usize, r: f32, s2: [u64; WORDS], done: bool) {
-        let i = self.at;
-        (
-            self.states[i],
-            self.actions[i],
-            self.rewards[i],
-            self.next[i],
-            self.terminal[i],
-        ) = (s, a, r, s2, done);
+    fn push(&mut self, t: Transition) {
+        self.transitions[self.at] = t;
         self.at = (self.at + 1) % REPLAY;
         self.len = (self.len + 1).min(REPLAY);
     }
@@ -347,7 +350,13 @@ fn train(config: &Config) -> Result<Run, Box<dyn StdError>> {
         };
         let (reward, done) = env.act(action);
         let s2 = pack(&env.state());
-        replay.push(s, action, reward, s2, done);
+        replay.push(Transition {
+            state: s,
+            next: s2,
+            action,
+            reward,
+            terminal: done,
+        });
         episode_return += reward;
         if done {
             episodes.push((frame, episode_return));
@@ -364,28 +373,25 @@ fn train(config: &Config) -> Result<Run, Box<dyn StdError>> {
             for p in &mut picks {
                 *p = rng.below(replay.len);
             }
+            // The minibatch copied out of the 13 MB buffer first: the copies' loads are
+            // independent, so their cache misses overlap, where unpacking each transition as
+            // it was read waited for them one at a time (3% of a frame).
+            let picked = picks.map(|i| replay.transitions[i]);
             let (xs, ns) = (batch.as_mut_slice(), next.as_mut_slice());
-            for (b, &i) in picks.iter().enumerate() {
-                unpack(
-                    &replay.states[i],
-                    &mut xs[b * STATE_LEN..(b + 1) * STATE_LEN],
-                );
-                unpack(&replay.next[i], &mut ns[b * STATE_LEN..(b + 1) * STATE_LEN]);
-                actions[b] = replay.actions[i];
+            for (b, t) in picked.iter().enumerate() {
+                unpack(&t.state, &mut xs[b * STATE_LEN..(b + 1) * STATE_LEN]);
+                unpack(&t.next, &mut ns[b * STATE_LEN..(b + 1) * STATE_LEN]);
+                actions[b] = t.action;
             }
             target.evaluate(&mut cpu, &next, &mut q_next)?;
-            for (b, &i) in picks.iter().enumerate() {
+            for (b, t) in picked.iter().enumerate() {
                 let best = q_next
                     .row(b)
                     .iter()
                     .copied()
                     .fold(f32::NEG_INFINITY, f32::max);
-                let future = if replay.terminal[i] {
-                    0.0
-                } else {
-                    GAMMA * best
-                };
-                targets[b] = replay.rewards[i] + future;
+                let future = if t.terminal { 0.0 } else { GAMMA * best };
+                targets[b] = t.reward + future;
             }
             net.forward(&mut cpu, &batch, &mut state, Mode::Train)?;
             huber_on_actions(state.output(), &actions, &targets, &mut d_q)?;
