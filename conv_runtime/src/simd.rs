@@ -196,15 +196,17 @@ pub fn avx2_fma() -> bool {
 
 /// Whether the Winograd layers' products and tile transforms and the dense layers' forward dot
 /// products run on AVX-512 ([`crate::wide`]): where the AVX2 kernels run and the CPU has
-/// AVX-512F and AVX-512VL (the 256-bit halves in registers 16-31), unless
-/// `CONV2D_SIMD=avx2` asks for AVX2 alone (to compare). Decided once per process.
+/// AVX-512F and AVX-512VL (the 256-bit halves in registers 16-31), and POPCNT (every AVX-512
+/// CPU: the kernels count their masks' bits), unless `CONV2D_SIMD=avx2` asks for AVX2 alone
+/// (to compare). Decided once per process.
 #[inline]
 pub fn avx512() -> bool {
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
     *CHOICE.get_or_init(|| {
         #[cfg(target_arch = "x86_64")]
         let detected = std::arch::is_x86_feature_detected!("avx512f")
-            && std::arch::is_x86_feature_detected!("avx512vl");
+            && std::arch::is_x86_feature_detected!("avx512vl")
+            && std::arch::is_x86_feature_detected!("popcnt");
         #[cfg(not(target_arch = "x86_64"))]
         let detected = false;
         !asked("avx2") && avx2_fma() && detected

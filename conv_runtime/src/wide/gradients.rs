@@ -193,7 +193,7 @@ mod avx512 {
     }
 
     /// Each row's masks of nonzero terms (NaN counts as nonzero), and its live and dead rows.
-    #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
+    #[target_feature(enable = "avx512f,avx512vl,avx2,fma,popcnt")]
     unsafe fn masks(a: &Axpys, g: *const f32, chunks: usize, s: &mut Scratch) {
         s.masks.clear();
         s.masks.resize(a.rows * chunks, 0);

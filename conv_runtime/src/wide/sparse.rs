@@ -54,7 +54,7 @@ fn nonzero(x: &[f32]) -> usize {
     #[cfg(target_arch = "x86_64")]
     {
         if crate::simd::avx512() {
-            // SAFETY: AVX-512F is present.
+            // SAFETY: AVX-512F and POPCNT are present ([`crate::simd::avx512`]).
             return unsafe { avx512::nonzero(x) };
         }
     }
@@ -169,7 +169,7 @@ pub(super) mod avx512 {
     }
 
     /// Nonzero values of `x` (NaN counts).
-    #[target_feature(enable = "avx512f")]
+    #[target_feature(enable = "avx512f,popcnt")]
     pub unsafe fn nonzero(x: &[f32]) -> usize {
         let mut count = 0;
         for k in (0..x.len()).step_by(16) {
