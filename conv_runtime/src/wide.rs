@@ -17,7 +17,8 @@
 //! A dense layer's forward pass sums dot products across the lanes of 8-lane vectors; [`dense`]
 //! keeps those vectors, two to a zmm register, in a larger register tile than 16 ymm registers
 //! allow. Where its inputs are mostly zeros, [`sparse()`] chooses the same sums over the
-//! nonzero ones only. Its gradients ([`axpys`]) are lane-wise sums of scaled rows, run 64 values wide.
+//! nonzero ones only. Its gradients ([`axpys`]) are lane-wise sums of scaled rows, run 128
+//! values wide (64 where rows are longer than 2048).
 
 use crate::winograd::tiles::Transform;
 use crate::winograd::Variant;
