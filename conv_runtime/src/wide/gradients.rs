@@ -88,8 +88,8 @@ mod avx512 {
         dead: Vec<u32>,
         /// The live rows' sort keys: fewer terms, then the row (in the low half).
         keyed: Vec<u64>,
-        /// One stripe (allocated on the first call): only its copied terms are read.
-        stripe: Vec<Stripe>,
+        /// The stripe, allocated on the first call: only its copied terms are read.
+        stripe: Option<Box<Stripe>>,
     }
 
     std::thread_local! {
@@ -146,10 +146,9 @@ mod avx512 {
         if s.live.is_empty() {
             return;
         }
-        if s.stripe.is_empty() {
-            s.stripe.push(Stripe([0.0; CHUNK * 16 * MOST_VECS]));
-        }
-        let stripe = &mut s.stripe[0];
+        let stripe = s
+            .stripe
+            .get_or_insert_with(|| Box::new(Stripe([0.0; CHUNK * 16 * MOST_VECS])));
         for k0 in (0..a.n).step_by(width_v) {
             let width = width_v.min(a.n - k0);
             for c in 0..chunks {
