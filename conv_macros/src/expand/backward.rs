@@ -770,7 +770,7 @@ pub fn bias_gradient() -> TokenStream {
         let mut partial = [[0.0 as __A; __OC]; __RPARTS];
         {
             let sums = #rt::Shared::new(&mut partial[..]);
-            pool.each(__RPARTS, __BATCH * __NPIX * __OC, &|p| {
+            pool.each(__RPARTS, __BATCH * __NPIX * __OC * #rt::ELEMENT_WORK, &|p| {
                 // SAFETY: each part's own partial.
                 let sum = &mut unsafe { sums.part(p, 1) }[0];
                 let rows = __part_rows(p);

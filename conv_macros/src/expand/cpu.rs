@@ -122,7 +122,7 @@ fn stage_fn(spec: &Spec) -> TokenStream {
             /// Copies `B` images into `xa` (`B * XH * XW * IC`) inside a zero border.
             fn __stage<const __B: usize>(pool: &#rt::Pool, x: &[__T], xa: &mut [__A]) {
                 let xa = #rt::Shared::new(xa);
-                pool.each(__B, __B * __XH * __XW * __IC, &|n| {
+                pool.each(__B, __B * __XH * __XW * __IC * #rt::ELEMENT_WORK, &|n| {
                     {
                         // SAFETY: each image is one part's.
                         let image = unsafe { xa.part(n * __XH * __XW * __IC, __XH * __XW * __IC) };
