@@ -702,7 +702,7 @@ fn backward_pass(spec: &Spec, path: &DataPath) -> TokenStream {
                 // 16 window positions (whose `dw` rows stay in L1), the channels dealt to the
                 // workers.
                 let gw = #rt::Shared::new(g.weights.as_mut_slice());
-                pool.split(__OC, __WINDOW * 2, &|channels| {
+                pool.split(__OC, __WINDOW * #rt::ELEMENT_WORK, &|channels| {
                     for r0 in (0..__WINDOW).step_by(16) {
                         let n = if __WINDOW - r0 < 16 { __WINDOW - r0 } else { 16 };
                         for c in channels.clone() {
