@@ -25,6 +25,7 @@
 //! ```
 
 pub mod activation;
+mod aligned;
 mod cpu;
 #[cfg(feature = "cuda")]
 pub mod cuda;

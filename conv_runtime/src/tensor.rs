@@ -47,7 +47,7 @@ macro_rules! dense {
         // same length (`crate::network::view`) is the same memory.
         #[repr(C)]
         pub struct $name<T, $(const $dim: usize),+> {
-            data: Box<[T]>,
+            data: crate::aligned::AlignedBuf<T>,
             stamp: u64,
         }
 
@@ -63,20 +63,22 @@ macro_rules! dense {
 
             /// All zeros.
             pub fn zeros() -> Self {
-                Self { data: vec![T::zero(); Self::LEN].into_boxed_slice(), stamp: fresh_stamp() }
+                Self { data: crate::aligned::AlignedBuf::filled(T::zero(), Self::LEN), stamp: fresh_stamp() }
             }
 
-            /// Takes a row-major buffer of exactly `LEN` elements.
+            /// Takes a row-major buffer of exactly `LEN` elements (copied unless it starts on a
+            /// cache-line boundary, where the data of every tensor starts).
             pub fn from_vec(data: Vec<T>) -> Result<Self, ShapeError> {
                 if data.len() != Self::LEN {
                     return Err(ShapeError { expected: Self::LEN, got: data.len(), shape: $shape });
                 }
-                Ok(Self { data: data.into_boxed_slice(), stamp: fresh_stamp() })
+                Ok(Self { data: crate::aligned::AlignedBuf::from_vec(data), stamp: fresh_stamp() })
             }
 
             /// Element `i` (row-major flat index) is `f(i)`.
             pub fn from_fn(f: impl FnMut(usize) -> T) -> Self {
-                Self { data: (0..Self::LEN).map(f).collect(), stamp: fresh_stamp() }
+                let data: Vec<T> = (0..Self::LEN).map(f).collect();
+                Self { data: crate::aligned::AlignedBuf::from_vec(data), stamp: fresh_stamp() }
             }
 
             /// Sets every element to `value`.
@@ -89,14 +91,14 @@ macro_rules! dense {
             /// The row-major data.
             #[inline]
             pub fn as_slice(&self) -> &[T] {
-                &self.data
+                self.data.as_slice()
             }
 
             /// The row-major data, mutably; gives the tensor a new stamp.
             #[inline]
             pub fn as_mut_slice(&mut self) -> &mut [T] {
                 self.stamp = fresh_stamp();
-                &mut self.data
+                self.data.as_mut_slice()
             }
 
             /// Identifies the current contents (see the module docs).
@@ -116,14 +118,14 @@ macro_rules! dense {
             fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
                 f.debug_struct(stringify!($name))
                     .field("shape", &[$($dim),+])
-                    .field("data", &self.data)
+                    .field("data", &self.data.as_slice())
                     .finish()
             }
         }
 
         impl<T: PartialEq, $(const $dim: usize),+> PartialEq for $name<T, $($dim),+> {
             fn eq(&self, other: &Self) -> bool {
-                self.data == other.data
+                self.data.as_slice() == other.data.as_slice()
             }
         }
 
