@@ -66,8 +66,8 @@ macro_rules! dense {
                 Self { data: crate::aligned::AlignedBuf::filled(T::zero(), Self::LEN), stamp: fresh_stamp() }
             }
 
-            /// Takes a row-major buffer of exactly `LEN` elements (copied unless it starts on a
-            /// cache-line boundary, where the data of every tensor starts).
+            /// Takes a row-major buffer of exactly `LEN` elements (moved into the tensor's own
+            /// aligned allocation: a copy of its bytes).
             pub fn from_vec(data: Vec<T>) -> Result<Self, ShapeError> {
                 if data.len() != Self::LEN {
                     return Err(ShapeError { expected: Self::LEN, got: data.len(), shape: $shape });
@@ -77,8 +77,7 @@ macro_rules! dense {
 
             /// Element `i` (row-major flat index) is `f(i)`.
             pub fn from_fn(f: impl FnMut(usize) -> T) -> Self {
-                let data: Vec<T> = (0..Self::LEN).map(f).collect();
-                Self { data: crate::aligned::AlignedBuf::from_vec(data), stamp: fresh_stamp() }
+                Self { data: crate::aligned::AlignedBuf::from_fn(Self::LEN, f), stamp: fresh_stamp() }
             }
 
             /// Sets every element to `value`.
