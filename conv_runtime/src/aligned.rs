@@ -13,8 +13,8 @@
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;
 
-/// Bytes every buffer is aligned to: a cache line.
-const LINE: usize = 64;
+/// Bytes every buffer is aligned to: a cache line (the device's scratch too, `cpu.rs`).
+pub(crate) const LINE: usize = 64;
 /// Bytes from which a buffer is aligned to (and advised into) huge pages: one huge page.
 const HUGE: usize = 2 << 20;
 
@@ -35,17 +35,15 @@ unsafe impl<T: Sync> Sync for AlignedBuf<T> {}
 impl<T> AlignedBuf<T> {
     /// The allocation of `cap` elements (`None`: nothing to allocate, zero bytes).
     fn layout(cap: usize) -> Option<Layout> {
-        let bytes = cap.checked_mul(std::mem::size_of::<T>());
-        let Some(bytes) = bytes.filter(|&b| b <= isize::MAX as usize - HUGE) else {
-            panic!("a tensor of {cap} elements does not fit in memory");
-        };
+        let bytes = cap.saturating_mul(std::mem::size_of::<T>());
         if bytes == 0 {
             return None;
         }
         let align = if bytes >= HUGE { HUGE } else { LINE };
+        // Too large for the address space (as `Vec` does, a panic: no allocation could hold it).
         match Layout::from_size_align(bytes, align.max(std::mem::align_of::<T>())) {
             Ok(layout) => Some(layout),
-            Err(e) => panic!("a tensor of {cap} elements: {e}"),
+            Err(e) => panic!("a tensor of {cap} elements does not fit in memory: {e}"),
         }
     }
 
@@ -119,20 +117,12 @@ impl<T> AlignedBuf<T> {
 impl<T: Clone> AlignedBuf<T> {
     /// `len` copies of `value`.
     pub(crate) fn filled(value: T, len: usize) -> Self {
-        let mut out = Self::with_capacity(len);
-        for _ in 0..len {
-            out.push(value.clone());
-        }
-        out
+        Self::from_fn(len, |_| value.clone())
     }
 
     /// A copy of `data`.
     pub(crate) fn from_slice(data: &[T]) -> Self {
-        let mut out = Self::with_capacity(data.len());
-        for v in data {
-            out.push(v.clone());
-        }
-        out
+        Self::from_fn(data.len(), |i| data[i].clone())
     }
 }
 

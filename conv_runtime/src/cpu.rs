@@ -39,7 +39,7 @@ struct Packed {
 /// Bytes the packed copies and the scratch memory are aligned to: a cache line, so that no
 /// vector load of the kernels splits one (the allocator gives 16, and the kernels' 32-byte loads
 /// from such buffers ran about 10% slower).
-const ALIGN: usize = 64;
+const ALIGN: usize = crate::aligned::LINE;
 
 /// `len` elements of `v` from its first `ALIGN`-byte boundary on, growing it as needed.
 fn aligned<A: CpuScalar>(v: &mut Vec<A>, len: usize) -> &mut [A] {
