@@ -115,6 +115,19 @@ impl<T> AlignedBuf<T> {
 }
 
 impl<T: Clone> AlignedBuf<T> {
+    /// At least `len` copies of `value`, as scratch memory: from 2 MB on, rounded up to whole
+    /// huge pages, so that none of it is left in small pages.
+    pub(crate) fn scratch(value: T, len: usize) -> Self {
+        let size = std::mem::size_of::<T>().max(1);
+        let per_page = HUGE / size;
+        let len = if len >= per_page {
+            len.div_ceil(per_page).saturating_mul(per_page)
+        } else {
+            len
+        };
+        Self::filled(value, len)
+    }
+
     /// `len` copies of `value`.
     pub(crate) fn filled(value: T, len: usize) -> Self {
         Self::from_fn(len, |_| value.clone())
@@ -123,6 +136,13 @@ impl<T: Clone> AlignedBuf<T> {
     /// A copy of `data`.
     pub(crate) fn from_slice(data: &[T]) -> Self {
         Self::from_fn(data.len(), |i| data[i].clone())
+    }
+}
+
+impl<T> Default for AlignedBuf<T> {
+    /// No elements, nothing allocated.
+    fn default() -> Self {
+        Self::with_capacity(0)
     }
 }
 

@@ -5,6 +5,7 @@ use std::any::Any;
 use std::marker::PhantomData;
 use std::ops::Range;
 
+use crate::aligned::AlignedBuf;
 use crate::element::Real;
 use crate::team::Team;
 use crate::{Error, Result};
@@ -31,34 +32,21 @@ pub struct PackKey {
 struct Packed {
     key: PackKey,
     last_use: u64,
-    /// A `Vec<A>` holding the packed values from its first cache-line boundary on.
+    /// An `AlignedBuf<A>` holding the packed values from its start on.
     data: Box<dyn Any + Send>,
     len: usize,
 }
 
-/// Bytes the packed copies and the scratch memory are aligned to: a cache line, so that no
-/// vector load of the kernels splits one (the allocator gives 16, and the kernels' 32-byte loads
-/// from such buffers ran about 10% slower).
-const ALIGN: usize = crate::aligned::LINE;
-
-/// `len` elements of `v` from its first `ALIGN`-byte boundary on, growing it as needed.
-fn aligned<A: CpuScalar>(v: &mut Vec<A>, len: usize) -> &mut [A] {
-    let extra = ALIGN / std::mem::size_of::<A>();
-    if v.len() < len + extra {
-        v.resize(len + extra, A::zero());
+/// The first `len` elements of `buf`, replaced by a larger buffer where it is too short (its
+/// values are scratch, not kept). The buffer starts on a cache line, so that no vector load of
+/// the kernels splits one (the allocator gives 16, and the kernels' 32-byte loads from such
+/// buffers ran about 10% slower), and from 2 MB on in transparent huge pages (see
+/// `crate::aligned`): the Winograd layers' transforms are megabytes, walked once a pass.
+fn at_least<A: CpuScalar>(buf: &mut AlignedBuf<A>, len: usize) -> &mut [A] {
+    if buf.as_slice().len() < len {
+        *buf = AlignedBuf::scratch(A::zero(), len);
     }
-    let offset = aligned_offset(v);
-    &mut v[offset..offset + len]
-}
-
-/// Where `v`'s first `ALIGN`-byte boundary is (0 where the allocation cannot reach one).
-fn aligned_offset<A>(v: &[A]) -> usize {
-    let offset = v.as_ptr().align_offset(ALIGN);
-    if offset < ALIGN / std::mem::size_of::<A>() {
-        offset
-    } else {
-        0
-    }
+    &mut buf.as_mut_slice()[..len]
 }
 
 /// Packed copies kept per device; enough for the layers of a typical network, each with a
@@ -105,8 +93,8 @@ pub struct Cpu {
 #[doc(hidden)]
 #[derive(Default)]
 pub struct Scratch {
-    f32: Vec<f32>,
-    f64: Vec<f64>,
+    f32: AlignedBuf<f32>,
+    f64: AlignedBuf<f64>,
 }
 
 /// Multiply-adds (or element operations, for the memory-bound passes) below which a part of a
@@ -299,18 +287,19 @@ impl<'a, T> Shared<'a, T> {
 /// Scalars the CPU device keeps scratch memory for.
 #[doc(hidden)]
 pub trait CpuScalar: Real {
-    fn buffer(scratch: &mut Scratch) -> &mut Vec<Self>;
+    /// The first `len` elements of this type's scratch buffer.
+    fn scratch(scratch: &mut Scratch, len: usize) -> &mut [Self];
 }
 
 impl CpuScalar for f32 {
-    fn buffer(scratch: &mut Scratch) -> &mut Vec<f32> {
-        &mut scratch.f32
+    fn scratch(scratch: &mut Scratch, len: usize) -> &mut [f32] {
+        at_least(&mut scratch.f32, len)
     }
 }
 
 impl CpuScalar for f64 {
-    fn buffer(scratch: &mut Scratch) -> &mut Vec<f64> {
-        &mut scratch.f64
+    fn scratch(scratch: &mut Scratch, len: usize) -> &mut [f64] {
+        at_least(&mut scratch.f64, len)
     }
 }
 
@@ -433,7 +422,7 @@ impl Cpu {
         let hit = self
             .packs
             .iter()
-            .position(|p| p.key == key && p.data.is::<Vec<A>>());
+            .position(|p| p.key == key && p.data.is::<AlignedBuf<A>>());
         let index = match hit {
             Some(i) => i,
             None => {
@@ -448,13 +437,15 @@ impl Cpu {
                 let mut data = match victim {
                     Some(i) => {
                         let old = std::mem::replace(&mut self.packs[i].data, Box::new(()));
-                        old.downcast::<Vec<A>>().map(|v| *v).unwrap_or_default()
+                        old.downcast::<AlignedBuf<A>>()
+                            .map(|v| *v)
+                            .unwrap_or_default()
                     }
-                    None => Vec::new(),
+                    None => AlignedBuf::default(),
                 };
                 // Not cleared: every packer writes every element of its copy (clearing a large
                 // layer's copy cost as much as a third of its repack).
-                pack(&self.pool, aligned(&mut data, packed_len));
+                pack(&self.pool, at_least(&mut data, packed_len));
                 let entry = Packed {
                     key,
                     last_use: clock,
@@ -475,13 +466,13 @@ impl Cpu {
         };
         self.packs[index].last_use = clock;
         let entry = &self.packs[index];
-        let packed = match entry.data.downcast_ref::<Vec<A>>() {
-            Some(v) => &v[aligned_offset(v)..][..entry.len],
+        let packed = match entry.data.downcast_ref::<AlignedBuf<A>>() {
+            Some(v) => &v.as_slice()[..entry.len],
             None => unreachable!("the entry's type was checked when it was found or built"),
         };
         Workspace {
             packed,
-            scratch: aligned(A::buffer(&mut self.scratch), scratch_len),
+            scratch: A::scratch(&mut self.scratch, scratch_len),
             pool: &self.pool,
         }
     }
