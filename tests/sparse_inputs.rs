@@ -1,10 +1,11 @@
 //! Layers whose inputs are mostly zero run passes over the nonzero inputs only, with the same
 //! bits as the passes over every input:
 //! - a dense layer (after a ReLU) runs its forward pass on a transposed copy of its weights,
-//!   from the third pass with the same weights on (on AVX-512: `conv_runtime::wide::sparse`;
-//!   elsewhere every pass takes the dot products). Each pass must give the first pass's bits: on
-//!   one thread and on two that split every call, after the weights change, and for `forward`
-//!   as for `evaluate`;
+//!   from the third pass with the same weights on, from the 64th at batch 1 (on AVX-512:
+//!   `conv_runtime::wide::sparse`; elsewhere every pass takes the dot products). Each pass must
+//!   give the first pass's bits: on one thread and on two that split every call, after the
+//!   weights change, and for `forward` as for `evaluate`; an action (batch 1) the bits of its
+//!   row in a batch;
 //! - a direct convolution whose input is at most an eighth nonzero (a binary game screen)
 //!   scatters each nonzero input into the outputs and weight-gradient rows it reaches
 //!   (`conv_macros::expand::scatter`). The choice is per call, on the whole batch: image 0 of a
@@ -73,6 +74,57 @@ fn passes_over_the_nonzero_inputs_give_the_dot_products_bits() {
                     differ, 0,
                     "weights {step}, pass {i}: {differ} values differ"
                 );
+            }
+        }
+    }
+}
+
+#[test]
+fn one_row_over_the_nonzero_inputs_gives_its_rows_bits_in_a_batch() {
+    let mut rng = Rng::seed_from_u64(22);
+    let mut layer = Fc::new(&mut rng);
+    let x = FcInput::<9>::from_fn(|i| match (i * 7919) % 11 {
+        0..=5 => 0.0,
+        _ => rng.uniform(0.0, 2.0) as f32,
+    });
+    let mut devices = [
+        Cpu::with_threads(1).expect("a CPU device"),
+        Cpu::with_threads(2)
+            .expect("a 2-thread CPU device")
+            .__split_everything(),
+    ];
+    for step in 0..2 {
+        if step == 1 {
+            for w in layer.weights.as_mut_slice().iter_mut().step_by(5) {
+                *w = -*w;
+            }
+        }
+        // The batch's first pass takes the dot products; each row alone, 70 passes (past
+        // the 64th on the copy), must give its row's bits.
+        let mut batch = FcOutput::<9>::zeros();
+        layer
+            .evaluate(&mut devices[0], &x, &mut batch)
+            .expect("evaluate");
+        for cpu in &mut devices {
+            for row in [0, 4, 8] {
+                let one =
+                    FcInput::<1>::from_vec(x.as_slice()[row * 1030..(row + 1) * 1030].to_vec())
+                        .expect("a row");
+                let want = &batch.as_slice()[row * 130..(row + 1) * 130];
+                for pass in 0..70 {
+                    let mut y = FcOutput::<1>::zeros();
+                    layer.evaluate(cpu, &one, &mut y).expect("evaluate");
+                    let differ = y
+                        .as_slice()
+                        .iter()
+                        .zip(want)
+                        .filter(|(a, b)| a.to_bits() != b.to_bits())
+                        .count();
+                    assert_eq!(
+                        differ, 0,
+                        "weights {step}, row {row}, pass {pass}: {differ} values differ"
+                    );
+                }
             }
         }
     }

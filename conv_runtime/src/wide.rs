@@ -813,7 +813,7 @@ mod tests {
         let mut rng = crate::Rng::seed_from_u64(9);
         for ic in [1, 7, 8, 9, 100, 1024] {
             for rows in [1, 2, 3, 8, 9, 17] {
-                for cols in [1, 2, 3, 4, 5, 13, 130] {
+                for cols in [1, 2, 3, 4, 5, 13, 130, 257] {
                     let mut d = Dense {
                         ic,
                         rows,

@@ -255,8 +255,9 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // every row (the whole of `w` does not stay in L2 beside the gradients). One row
             // (one action) takes `WIDE` weight rows at a time, each read once.
             let (xp, wp) = (x.as_ptr(), w.as_ptr());
-            // Rows of the batch on AVX-512's registers where the CPU has them: the same bits.
-            if batch.len() > 1
+            // Rows of the batch on AVX-512's registers where the CPU has them, and one row
+            // over its nonzero inputs where `__conv` made the transposed copy: the same bits.
+            if (batch.len() > 1 || !wt.is_empty())
                 && !channels.is_empty()
                 && __S::wide_dense(
                     &#rt::wide::Dense {
@@ -592,7 +593,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
     let layout = super::cpu::layout_id(spec, 6);
     let (sparse, transpose) = if spec.dtype == Dtype::F32 {
         (
-            quote!(__B > 1 && cpu.__reused(transposed, 3) && #rt::wide::sparse(x)),
+            quote!(cpu.__reused(transposed, if __B > 1 { 3 } else { 64 }) && #rt::wide::sparse(x)),
             quote!(|_, out: &mut [__A]| if sparse {
                 #rt::wide::transpose(layer.weights.as_slice(), __OC, __IC, out)
             }),
@@ -625,7 +626,12 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // Mostly zero rows (after a ReLU), on AVX-512: a transposed copy of the weights lets
             // the pass skip the zeros (`wide::sparse`: the same bits). Made for weights used
             // unchanged (a target network's, or for inference: the third pass with the same
-            // weights), not for those an optimizer changes after each step.
+            // weights), not for those an optimizer changes after each step. One row (an
+            // action) waits for the 64th pass: the Nature DQN's copy (3136 x 512) took about
+            // three actions' time and paid for itself over 13 more, so weights kept for fewer
+            // actions (a DQN's, updated every 1 to 4 frames) never take one, and those kept
+            // for 64 or more (inference, evaluation, a policy-gradient agent's rollouts) pay
+            // at most about 5% more before they gain.
             let transposed = #rt::PackKey { stamps: [layer.weights.stamp(), 0], layout: #layout };
             let sparse = #sparse;
             let (key, len) = if sparse {

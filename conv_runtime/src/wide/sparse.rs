@@ -103,6 +103,10 @@ pub(super) mod avx512 {
     /// Rows and output vectors of a pass: 16 accumulators, each weight load feeding 4 rows.
     const ROWS: usize = 4;
     const VECS: usize = 4;
+    /// Output vectors of a pass over one row (one action): 8 accumulators per class, the
+    /// multiply-adds in flight that two a cycle of 4 cycles' latency need, where 4 rows of a
+    /// 4-vector block would be three quarters repeats of the row.
+    const VECS_ONE_ROW: usize = 8;
 
     /// [`super::transpose`] in 8 x 8 blocks (scalar at the edges).
     #[target_feature(enable = "avx2")]
@@ -186,7 +190,7 @@ pub(super) mod avx512 {
     }
 
     /// [`super::super::dense`] over `d.wt`: groups of `ROWS` rows, blocks of `16 * VECS`
-    /// output channels.
+    /// output channels (a row alone: blocks of `16 * VECS_ONE_ROW`).
     pub unsafe fn dense(d: &Dense, x: *const f32, bias: *const f32, y: *mut f32) {
         // The borrow ends with the closure, and nothing else borrows the lists: it cannot fail.
         LISTS.with(|l| run(d, x, bias, y, &mut l.borrow_mut()));
@@ -220,7 +224,8 @@ pub(super) mod avx512 {
                     lens[j] += usize::from(set >> b & 1 == 1);
                 }
             }
-            for c0 in (0..d.cols).step_by(16 * VECS) {
+            let width = if count == 1 { VECS_ONE_ROW } else { VECS };
+            for c0 in (0..d.cols).step_by(16 * width) {
                 let t = Pass {
                     d,
                     rows,
@@ -232,11 +237,19 @@ pub(super) mod avx512 {
                     bias,
                     y: y.add(r * d.ldy),
                 };
-                match (d.cols - c0).div_ceil(16).min(VECS) {
-                    4 => pass::<4>(&t),
-                    3 => pass::<3>(&t),
-                    2 => pass::<2>(&t),
-                    _ => pass::<1>(&t),
+                match ((d.cols - c0).div_ceil(16).min(width), count) {
+                    (8, 1) => pass::<1, 8>(&t),
+                    (7, 1) => pass::<1, 7>(&t),
+                    (6, 1) => pass::<1, 6>(&t),
+                    (5, 1) => pass::<1, 5>(&t),
+                    (4, 1) => pass::<1, 4>(&t),
+                    (3, 1) => pass::<1, 3>(&t),
+                    (2, 1) => pass::<1, 2>(&t),
+                    (_, 1) => pass::<1, 1>(&t),
+                    (4, _) => pass::<ROWS, 4>(&t),
+                    (3, _) => pass::<ROWS, 3>(&t),
+                    (2, _) => pass::<ROWS, 2>(&t),
+                    _ => pass::<ROWS, 1>(&t),
                 }
             }
             r += count;
@@ -256,22 +269,23 @@ pub(super) mod avx512 {
         y: *mut f32,
     }
 
-    /// `V` vectors of output channels from `c0` on, for the group's rows: each class's partial
-    /// sums over its listed inputs, then the classes summed as the 8-lane kernel sums its
-    /// lanes.
+    /// `V` vectors of output channels from `c0` on, for the group's first `R` rows (`R` is 1
+    /// or `ROWS`, at least `count`): each class's partial sums over its listed inputs, then
+    /// the classes summed as the 8-lane kernel sums its lanes.
     #[inline(always)]
-    unsafe fn pass<const V: usize>(t: &Pass) {
+    unsafe fn pass<const R: usize, const V: usize>(t: &Pass) {
+        debug_assert!(t.count <= R && R <= ROWS);
         let d = t.d;
         let last = lanes(d.cols - t.c0 - 16 * (V - 1));
         let q = d.ic.div_ceil(8);
         // part[j][row][v]: class `j`'s partial sums.
-        let mut part = [[[_mm512_setzero_ps(); V]; ROWS]; 8];
+        let mut part = [[[_mm512_setzero_ps(); V]; R]; 8];
         for (j, part) in part.iter_mut().enumerate() {
             let list = t.lists.add(j * t.cap);
             // The class's rows of the copy, in order, and its inputs of each row.
             let wt = d.wt.add(j * q * d.ldt + t.c0);
-            let xs: [*const f32; ROWS] = std::array::from_fn(|i| t.rows[i].add(j));
-            let mut acc = [[_mm512_setzero_ps(); V]; ROWS];
+            let xs: [*const f32; R] = std::array::from_fn(|i| t.rows[i].add(j));
+            let mut acc = [[_mm512_setzero_ps(); V]; R];
             for i in 0..t.lens[j] {
                 let m = *list.add(i) as usize;
                 let row = wt.add(m * d.ldt);
@@ -283,7 +297,7 @@ pub(super) mod avx512 {
                         _mm512_loadu_ps(row.add(16 * v))
                     };
                 }
-                for r in 0..ROWS {
+                for r in 0..R {
                     let xv = _mm512_set1_ps(*xs[r].add(8 * m));
                     for v in 0..V {
                         acc[r][v] = _mm512_fmadd_ps(xv, w[v], acc[r][v]);
