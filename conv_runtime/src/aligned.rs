@@ -8,7 +8,7 @@
 //! weights are megabytes each, walked in 4 KB pages unless asked otherwise (the usual
 //! `transparent_hugepage` setting is `madvise`): in huge pages, at one thread, IMPALA's training
 //! step ran 5% faster and the Nature DQN's 9-11% (`bench_networks`, two runs beside the binary
-//! before). The device's scratch and packed weights are aligned to cache lines too (`cpu.rs`).
+//! before). The device's scratch and packed weights are buffers of this module too (`cpu.rs`).
 
 use std::alloc::{self, Layout};
 use std::ptr::NonNull;

@@ -628,7 +628,7 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // unchanged (a target network's, or for inference: the third pass with the same
             // weights), not for those an optimizer changes after each step. One row (an
             // action) waits for the 64th pass: the Nature DQN's copy (3136 x 512) took about
-            // three actions' time and paid for itself over 13 more, so weights kept for fewer
+            // three actions' time and paid for itself over about 15 more, so weights kept for fewer
             // actions (a DQN's, updated every 1 to 4 frames) never take one, and those kept
             // for 64 or more (inference, evaluation, a policy-gradient agent's rollouts) pay
             // at most about 5% more before they gain.
