@@ -40,6 +40,16 @@ fn passes(cpu: &mut Cpu, layer: &mut Fc, x: &FcInput<9>, passes: usize) -> Vec<V
     out
 }
 
+/// A device of one thread and one of two that splits every call.
+fn devices() -> [Cpu; 2] {
+    [
+        Cpu::with_threads(1).expect("a CPU device"),
+        Cpu::with_threads(2)
+            .expect("a 2-thread CPU device")
+            .__split_everything(),
+    ]
+}
+
 #[test]
 fn passes_over_the_nonzero_inputs_give_the_dot_products_bits() {
     let mut rng = Rng::seed_from_u64(21);
@@ -51,12 +61,7 @@ fn passes_over_the_nonzero_inputs_give_the_dot_products_bits() {
         6 if i % 1030 < 40 => 0.0,
         _ => rng.uniform(0.0, 2.0) as f32,
     });
-    let mut devices = [
-        Cpu::with_threads(1).expect("a CPU device"),
-        Cpu::with_threads(2)
-            .expect("a 2-thread CPU device")
-            .__split_everything(),
-    ];
+    let mut devices = devices();
     let mut first: Option<Vec<u32>> = None;
     for step in 0..2 {
         if step == 1 {
@@ -87,12 +92,7 @@ fn one_row_over_the_nonzero_inputs_gives_its_rows_bits_in_a_batch() {
         0..=5 => 0.0,
         _ => rng.uniform(0.0, 2.0) as f32,
     });
-    let mut devices = [
-        Cpu::with_threads(1).expect("a CPU device"),
-        Cpu::with_threads(2)
-            .expect("a 2-thread CPU device")
-            .__split_everything(),
-    ];
+    let mut devices = devices();
     for step in 0..2 {
         if step == 1 {
             for w in layer.weights.as_mut_slice().iter_mut().step_by(5) {
