@@ -628,10 +628,10 @@ pub fn expand(spec: &Spec) -> TokenStream {
             // unchanged (a target network's, or for inference: the third pass with the same
             // weights), not for those an optimizer changes after each step. One row (an
             // action) waits for the 64th pass: the Nature DQN's copy (3136 x 512) took about
-            // three actions' time and paid for itself over about 15 more, so weights kept for fewer
-            // actions (a DQN's, updated every 1 to 4 frames) never take one, and those kept
-            // for 64 or more (inference, evaluation, a policy-gradient agent's rollouts) pay
-            // at most about 5% more before they gain.
+            // three actions' time and paid for itself over about 15 more, so weights kept for
+            // fewer actions (a DQN's, updated every 1 to 4 frames) never take one, and those
+            // kept for 64 or more (inference, evaluation, a policy-gradient agent's rollouts)
+            // pay at most about 5% more before they gain.
             let transposed = #rt::PackKey { stamps: [layer.weights.stamp(), 0], layout: #layout };
             let sparse = #sparse;
             let (key, len) = if sparse {
