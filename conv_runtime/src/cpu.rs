@@ -44,6 +44,9 @@ struct Packed {
 /// `crate::aligned`): the Winograd layers' transforms are megabytes, walked once a pass.
 fn at_least<A: CpuScalar>(buf: &mut AlignedBuf<A>, len: usize) -> &mut [A] {
     if buf.as_slice().len() < len {
+        // The old buffer goes first: its values are not kept, and both at once would be the
+        // device's largest memory peak.
+        drop(std::mem::take(buf));
         *buf = AlignedBuf::scratch(A::zero(), len);
     }
     &mut buf.as_mut_slice()[..len]
