@@ -665,7 +665,21 @@ pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
             out: crate::cpu::Shared<'_, T::Acc>,
             ys: Range<usize>,
         ) {
-            pack_on::<V, T, L>(p, w, out, ys)
+            use std::any::TypeId;
+            // f32 and f64 weights on the AVX2 vectors (their `fma` is fused where `Lanes`' is
+            // not: the weight transforms' only one multiplies by 4, exact either way). SAFETY:
+            // `T` is the type named, and its own accumulator.
+            if L == 8 && TypeId::of::<T>() == TypeId::of::<f32>() {
+                let out = std::mem::transmute_copy::<_, crate::cpu::Shared<'_, f32>>(&out);
+                let w = std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len());
+                return pack_on::<V, f32, crate::simd::Avx2F32, 8>(p, w, out, ys);
+            }
+            if L == 4 && TypeId::of::<T>() == TypeId::of::<f64>() {
+                let out = std::mem::transmute_copy::<_, crate::cpu::Shared<'_, f64>>(&out);
+                let w = std::slice::from_raw_parts(w.as_ptr().cast::<f64>(), w.len());
+                return pack_on::<V, f64, crate::simd::Avx2F64, 4>(p, w, out, ys);
+            }
+            pack_on::<V, T, crate::simd::Lanes<T::Acc, L>, L>(p, w, out, ys)
         }
         if crate::simd::avx2_fma() {
             return pack_avx2::<V, T, L>(p, w, out, ys);
@@ -686,7 +700,7 @@ pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
                 out: crate::cpu::Shared<'_, T::Acc>,
                 ys: Range<usize>,
             ) {
-                pack_on::<V, T, L>(p, w, out, ys)
+                pack_on::<V, T, crate::simd::Lanes<T::Acc, L>, L>(p, w, out, ys)
             }
             pack_portable::<V, T, L>(p, w, out, ys)
         }
@@ -699,53 +713,137 @@ pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
 // The lanes are filled by index, as the generated kernels do.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
-unsafe fn pack_on<V: Variant, T: crate::Element, const L: usize>(
+unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L: usize>(
     p: &Packing,
     w: &[T],
     out: crate::cpu::Shared<'_, T::Acc>,
     ys: Range<usize>,
 ) {
     use crate::Element as _;
-    type Vector<T, const L: usize> = crate::simd::Lanes<<T as crate::Element>::Acc, L>;
     let wic = p.sd * p.sd * p.ic;
     let window = p.kh * p.kw * p.ic;
     let (xs, y_len) = if p.k_inner { (p.oc, wic) } else { (wic, p.oc) };
     assert!(
-        xs % L == 0 && w.len() >= p.oc * window && out.len() >= V::N * V::N * wic * p.oc,
+        S::LANES == L
+            && xs % L == 0
+            && p.block % L == 0
+            && ys.end <= y_len
+            && w.len() >= p.oc * window
+            && out.len() >= V::N * V::N * wic * p.oc,
         "winograd::pack: weights or packed copy too short for {p:?}"
     );
-    for y in ys {
-        debug_assert!(y < y_len);
-        for x0 in (0..xs).step_by(L) {
-            // Each lane's tap (0, 0) in `w`; staged tap (a, b) is `(a kw + b) sd ic` further.
-            let mut at = [0; L];
-            for i in 0..L {
-                let (k, c) = if p.k_inner { (x0 + i, y) } else { (y, x0 + i) };
-                let (block, c) = (c / p.ic, c % p.ic);
-                at[i] = k * window + ((block / p.sd) * p.kw + block % p.sd) * p.ic + c;
+    // The weights and this part's rows of the copy, asked for in order first: the gathers
+    // and the element planes' stores below then find them in cache instead of waiting on
+    // memory line by line (in a training step the optimizer has just streamed every
+    // parameter through the caches).
+    prefetch_lines(w.as_ptr().cast(), std::mem::size_of_val(w));
+    let row_bytes = std::mem::size_of::<T::Acc>();
+    for e in 0..V::N * V::N {
+        for first in (0..xs).step_by(p.block) {
+            let width = p.block.min(xs - first);
+            let start = e * xs * y_len + y_len * first + ys.start * width;
+            prefetch_lines(
+                out.ptr(start).cast_const().cast(),
+                ys.len() * width * row_bytes,
+            );
+        }
+    }
+    // Staged channel `c`'s tap (0, 0) in an output channel's window; staged tap (a, b) is
+    // `(a kw + b) sd ic` further.
+    let staged = |c: usize| {
+        let (block, c) = (c / p.ic, c % p.ic);
+        ((block / p.sd) * p.kw + block % p.sd) * p.ic + c
+    };
+    // Where the weights are the accumulator's type, contiguous lanes load as one vector.
+    let same = std::any::TypeId::of::<T>() == std::any::TypeId::of::<T::Acc>();
+    // `G g G^T` of the `L` channel pairs of row `y` from lane `x0` on.
+    let transform = |y: usize, x0: usize| {
+        let y_at = if p.k_inner { staged(y) } else { y * window };
+        // Lanes `at + i * stride` of `w`.
+        let lanes = |at: usize, stride: usize| {
+            let w = &w[at..at + (L - 1) * stride + 1];
+            if stride == 1 && same {
+                S::load(w.as_ptr().cast::<T::Acc>())
+            } else {
+                let mut taps = [T::Acc::zero(); L];
+                for i in 0..L {
+                    taps[i] = w[i * stride].to_acc();
+                }
+                S::load(taps.as_ptr())
             }
-            let mut g = [[Vector::<T, L>::zero(); MAX]; MAX];
-            for a in 0..V::R {
-                for b in 0..V::R {
-                    let off = (a * p.kw + b) * p.sd * p.ic;
+        };
+        let mut g = [[S::zero(); MAX]; MAX];
+        for a in 0..V::R {
+            for b in 0..V::R {
+                let off = (a * p.kw + b) * p.sd * p.ic;
+                g[a][b] = if p.k_inner {
+                    // Lanes along output channels, `window` apart.
+                    lanes(x0 * window + y_at + off, window)
+                } else if p.ic % L == 0 {
+                    // Lanes along staged channels inside one block: contiguous.
+                    lanes(y_at + staged(x0) + off, 1)
+                } else {
                     let mut taps = [T::Acc::zero(); L];
                     for i in 0..L {
-                        taps[i] = w[at[i] + off].to_acc();
+                        taps[i] = w[y_at + staged(x0 + i) + off].to_acc();
                     }
-                    g[a][b] = Vector::<T, L>::load(taps.as_ptr());
-                }
+                    S::load(taps.as_ptr())
+                };
             }
-            let u = weight::<V, Vector<T, L>>(g);
-            // Rows of `L` are what the packed copies hold contiguously: written one value at
-            // a time, the element planes (16 KiB apart) ran 8x slower.
-            let first = x0 / p.block * p.block;
-            let width = p.block.min(xs - first);
-            for e in 0..V::N * V::N {
-                let row = out.part(e * xs * y_len + y_len * first + y * width + x0 - first, L);
-                u[e / V::N][e % V::N].store(row.as_mut_ptr());
+        }
+        weight::<V, S>(g)
+    };
+    // Up to `ROWS` rows by `RUN` vectors transformed, then stored plane by plane: each
+    // plane's part is one run (rows `width` apart, contiguous where the vectors are the whole
+    // block). Stored as transformed, the element planes (16 KiB apart in the Nature DQN: one
+    // set of the L1 cache) evicted each other's lines before their stores were done.
+    let mut u = [[[[S::zero(); MAX]; MAX]; RUN]; ROWS];
+    for first in (0..xs).step_by(p.block) {
+        let width = p.block.min(xs - first);
+        for x0 in (first..first + width).step_by(RUN * L) {
+            let n = ((first + width - x0) / L).min(RUN);
+            for y0 in ys.clone().step_by(ROWS) {
+                let rows = (ys.end - y0).min(ROWS);
+                for (r, u) in u.iter_mut().enumerate().take(rows) {
+                    for (j, u) in u.iter_mut().enumerate().take(n) {
+                        *u = transform(y0 + r, x0 + j * L);
+                    }
+                }
+                for e in 0..V::N * V::N {
+                    let at = e * xs * y_len + y_len * first + y0 * width + x0 - first;
+                    let part = out.part(at, (rows - 1) * width + n * L).as_mut_ptr();
+                    for (r, u) in u.iter().enumerate().take(rows) {
+                        for (j, u) in u.iter().enumerate().take(n) {
+                            u[e / V::N][e % V::N].store(part.add(r * width + j * L));
+                        }
+                    }
+                }
             }
         }
     }
+}
+
+/// Vectors of a packed row transformed before they are stored, plane by plane.
+const RUN: usize = 4;
+
+/// Rows of them.
+const ROWS: usize = 8;
+
+/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no access, so it races with
+/// nothing; nothing where the target has no prefetch instruction).
+#[inline(always)]
+fn prefetch_lines(p: *const u8, bytes: usize) {
+    #[cfg(target_arch = "x86_64")]
+    for i in (0..bytes).step_by(64) {
+        // SAFETY: a prefetch never faults, and `wrapping_add` makes no claim on the address.
+        unsafe {
+            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
+                p.wrapping_add(i).cast::<i8>(),
+            )
+        }
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = (p, bytes);
 }
 
 #[cfg(test)]
@@ -926,13 +1024,24 @@ mod tests {
         tile_matches_direct::<F2x3S2>(1e-12);
     }
 
-    /// Every value [`pack`] writes, against `G g G^T` of its one channel pair gathered
-    /// straight from the OHWI weights, bit for bit: both layouts, space-to-depth, and blocks
-    /// that do not divide the channels.
-    fn pack_matches_one_pair_at_a_time<V: Variant>(sd: usize, ic: usize, oc: usize, block: usize) {
+    /// Every value [`pack`] writes from `T` weights in vectors of `LANES`, against `G g G^T` of
+    /// its one channel pair gathered straight from the OHWI weights in `T`'s accumulator, bit
+    /// for bit: both layouts, space-to-depth, blocks that do not divide the channels, and the
+    /// AVX2 vectors (f32, f64) and the portable ones (the half types) alike.
+    fn pack_matches_one_pair_at_a_time<V: Variant, T: crate::Element, const LANES: usize>(
+        sd: usize,
+        ic: usize,
+        oc: usize,
+        block: usize,
+    ) {
+        use crate::Element as _;
+        type Pair<T> = Lanes<<T as crate::Element>::Acc, 1>;
         let (kh, kw) = (sd * V::R, sd * V::R);
         let (window, wic, elems) = (kh * kw * ic, sd * sd * ic, V::N * V::N);
-        let w = values(7, oc * window);
+        let w: Vec<T> = values(7, oc * window)
+            .into_iter()
+            .map(T::from_f64)
+            .collect();
         for k_inner in [true, false] {
             let p = Packing {
                 oc,
@@ -943,35 +1052,36 @@ mod tests {
                 k_inner,
                 block,
             };
-            let mut out = vec![f64::NAN; elems * wic * oc];
+            let mut out = vec![T::Acc::from_f64(f64::NAN); elems * wic * oc];
             let (xs, ys) = if k_inner { (oc, wic) } else { (wic, oc) };
             // Two callers' rows, as two workers would split them.
             let shared = crate::cpu::Shared::new(&mut out);
             unsafe {
-                pack::<V, f64, L>(&p, &w, shared, 0..ys / 2);
-                pack::<V, f64, L>(&p, &w, shared, ys / 2..ys);
+                pack::<V, T, LANES>(&p, &w, shared, 0..ys / 2);
+                pack::<V, T, LANES>(&p, &w, shared, ys / 2..ys);
             }
             for k in 0..oc {
                 for c in 0..wic {
                     let (block_c, c0) = (c / ic, c % ic);
                     let (dy, dx) = (block_c / sd, block_c % sd);
-                    let mut g = [[one(0.0); MAX]; MAX];
+                    let mut g = [[unsafe { Pair::<T>::zero() }; MAX]; MAX];
                     for a in 0..V::R {
                         for b in 0..V::R {
-                            g[a][b] =
-                                one(w[k * window + ((sd * a + dy) * kw + sd * b + dx) * ic + c0]);
+                            let tap = w[k * window + ((sd * a + dy) * kw + sd * b + dx) * ic + c0];
+                            g[a][b] = unsafe { Pair::<T>::splat(tap.to_acc()) };
                         }
                     }
-                    let u = unsafe { weight::<V, One>(g) };
+                    let u = unsafe { weight::<V, Pair<T>>(g) };
                     let (x, y) = if k_inner { (k, c) } else { (c, k) };
                     let first = x / block * block;
                     let width = block.min(xs - first);
                     for e in 0..elems {
                         let got = out[e * xs * ys + ys * first + y * width + x - first];
-                        let want = scalar(u[e / V::N][e % V::N]);
+                        let mut want = [T::Acc::from_f64(0.0)];
+                        unsafe { u[e / V::N][e % V::N].store(want.as_mut_ptr()) };
                         assert_eq!(
-                            got.to_bits(),
-                            want.to_bits(),
+                            got.to_f64().to_bits(),
+                            want[0].to_f64().to_bits(),
                             "k_inner {k_inner}, pair ({k}, {c}), element {e}"
                         );
                     }
@@ -982,9 +1092,27 @@ mod tests {
 
     #[test]
     fn pack_lays_out_every_transformed_pair() {
-        pack_matches_one_pair_at_a_time::<F4x3>(1, 8, 12, 8);
-        pack_matches_one_pair_at_a_time::<F3x2>(2, 2, 8, 8);
-        pack_matches_one_pair_at_a_time::<F5x2>(4, 1, 4, 4);
-        pack_matches_one_pair_at_a_time::<F2x3S2>(1, 4, 8, 12);
+        pack_matches_one_pair_at_a_time::<F4x3, f64, L>(1, 8, 12, 8);
+        pack_matches_one_pair_at_a_time::<F3x2, f64, L>(2, 2, 8, 8);
+        pack_matches_one_pair_at_a_time::<F5x2, f64, L>(4, 1, 4, 4);
+        pack_matches_one_pair_at_a_time::<F2x3S2, f64, L>(1, 4, 8, 12);
+    }
+
+    /// f32 and the half types, on shapes with more rows and vectors than one run of the
+    /// packer's stores holds, narrower last blocks, and staged channels in blocks of fewer than
+    /// a vector's.
+    #[test]
+    fn pack_lays_out_every_element_type() {
+        fn each<T: crate::Element>() {
+            pack_matches_one_pair_at_a_time::<F4x3, T, 8>(1, 24, 40, 48);
+            pack_matches_one_pair_at_a_time::<F4x3, T, 8>(1, 40, 24, 16);
+            pack_matches_one_pair_at_a_time::<F3x2, T, 8>(2, 4, 32, 24);
+            pack_matches_one_pair_at_a_time::<F5x2, T, 8>(4, 4, 16, 16);
+            pack_matches_one_pair_at_a_time::<F2x3S2, T, 8>(1, 16, 24, 8);
+            pack_matches_one_pair_at_a_time::<F2x3, T, 8>(1, 16, 16, 16);
+        }
+        each::<f32>();
+        each::<half::f16>();
+        each::<half::bf16>();
     }
 }
