@@ -119,6 +119,22 @@ pub trait Simd: Copy {
         false
     }
 
+    /// Runs a Winograd chunk's weight-gradient products ([`crate::wide::weight_product`]) on
+    /// wider vectors than `Self`'s where the CPU has them: `true` if it did. The same bits.
+    /// # Safety
+    /// As [`crate::wide::weight_product`].
+    #[inline(always)]
+    unsafe fn wide_weight_product(
+        _p: &crate::wide::WeightProduct,
+        _v: *const Self::Elem,
+        _n: *const Self::Elem,
+        _du: *mut Self::Elem,
+        _count: usize,
+        _fresh: bool,
+    ) -> bool {
+        false
+    }
+
     /// Runs a dense layer's forward dot products ([`crate::wide::dense`]) on wider vectors
     /// than `Self`'s where the CPU has them: `true` if it did. The same bits.
     /// # Safety
@@ -422,6 +438,17 @@ mod x86 {
                         count: usize,
                     ) -> bool {
                         $wide(p, a, w, o, count)
+                    }
+                    #[inline(always)]
+                    unsafe fn wide_weight_product(
+                        p: &crate::wide::WeightProduct,
+                        v: *const $elem,
+                        n: *const $elem,
+                        du: *mut $elem,
+                        count: usize,
+                        fresh: bool,
+                    ) -> bool {
+                        crate::wide::weight_product(p, v, n, du, count, fresh)
                     }
                     #[inline(always)]
                     unsafe fn wide_dense(

@@ -10,6 +10,9 @@
 //! multiply-adds in the same order as in the AVX2 kernel (from zero, over the reduction in
 //! order), so the bits do not change, and a layer gives the same results on either.
 //!
+//! The weight gradient's products ([`weight_product`]) are the same chains of fused
+//! multiply-adds, output channel by output channel, 16 to a zmm register instead of 8.
+//!
 //! The tile transforms around the products ([`crate::winograd::tiles`]) are lane-wise: each
 //! channel's arithmetic is the same whatever the vector's width, so [`channels`] runs a tile's
 //! channels 16 at a time (8 for the rest) through the same code, one call per tile.
@@ -69,6 +72,51 @@ pub unsafe fn product(
         }
     }
     let _ = (p, a, w, o, count);
+    false
+}
+
+/// One chunk's weight-gradient products, as the generated `__wino_weight_product` lays them
+/// out: for each tile element `e`, `du[e][c][..oc] (+)= sum over the first count rows t of
+/// v[e][t][c] * n[e][t][..oc]`, for every staged input channel `c < wic`.
+#[doc(hidden)]
+#[derive(Clone, Copy, Debug)]
+pub struct WeightProduct {
+    /// Tile elements, each its own product.
+    pub elems: usize,
+    /// Rows per element in `v` and `n` (the chunk's capacity).
+    pub rows: usize,
+    /// Staged input channels: `v`'s row width, `du`'s rows.
+    pub wic: usize,
+    /// Output channels, a multiple of 8: `n`'s and `du`'s row width.
+    pub oc: usize,
+}
+
+/// Runs `p`'s products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
+/// Each output starts from zero where `fresh` (else from `du`) and adds its products over the
+/// rows in order, one fused multiply-add each, as the generated 8-lane kernel does: the same
+/// bits, 16 output channels to a register instead of 8, and 16 accumulators.
+///
+/// # Safety
+/// `v` holds `p.elems * p.rows * p.wic` values, `n` holds `p.elems * p.rows * p.oc` and `du`
+/// holds `p.elems * p.wic * p.oc`; `count <= p.rows`.
+#[doc(hidden)]
+#[inline]
+pub unsafe fn weight_product(
+    p: &WeightProduct,
+    v: *const f32,
+    n: *const f32,
+    du: *mut f32,
+    count: usize,
+    fresh: bool,
+) -> bool {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if crate::simd::avx512() && p.oc.is_multiple_of(8) {
+            avx512::weight_product(p, v, n, du, count, fresh);
+            return true;
+        }
+    }
+    let _ = (p, v, n, du, count, fresh);
     false
 }
 
@@ -169,7 +217,7 @@ fn lanes(n: usize) -> std::arch::x86_64::__mmask16 {
 #[allow(clippy::needless_range_loop)]
 #[cfg(target_arch = "x86_64")]
 mod avx512 {
-    use super::{Dense, Product, Transform, Variant};
+    use super::{Dense, Product, Transform, Variant, WeightProduct};
     use crate::simd::{Avx2F32, Simd};
     use crate::winograd::tiles;
     use std::arch::x86_64::*;
@@ -359,6 +407,111 @@ mod avx512 {
         for (i, acc) in acc.iter().enumerate() {
             for z in 0..Z {
                 _mm512_mask_storeu_ps(o.add(i * n + c[z].col), c[z].mask, acc[z]);
+            }
+        }
+    }
+
+    /// [`super::weight_product`]: output channels in groups of up to 4 zmm vectors outside
+    /// (as the 8-lane kernel's blocks: one group of `n` stays in L1 across the rows), register
+    /// tiles of input channels inside, each reduced over the chunk's rows.
+    #[target_feature(enable = "avx512f")]
+    pub unsafe fn weight_product(
+        p: &WeightProduct,
+        v: *const f32,
+        n: *const f32,
+        du: *mut f32,
+        count: usize,
+        fresh: bool,
+    ) {
+        for e in 0..p.elems {
+            let (ve, ne, de) = (
+                v.add(e * p.rows * p.wic),
+                n.add(e * p.rows * p.oc),
+                du.add(e * p.wic * p.oc),
+            );
+            let mut o0 = 0;
+            while o0 < p.oc {
+                let cols = (p.oc - o0).min(64);
+                let masks = [0, 1, 2, 3].map(|z| super::lanes(cols.saturating_sub(16 * z)));
+                let g = Gradients {
+                    v: ve,
+                    n: ne.add(o0),
+                    du: de.add(o0),
+                    wic: p.wic,
+                    oc: p.oc,
+                    count,
+                    fresh,
+                    masks,
+                };
+                match cols.div_ceil(16) {
+                    4 => g.rows::<4, 4>(),
+                    3 => g.rows::<6, 3>(),
+                    2 => g.rows::<8, 2>(),
+                    _ => g.rows::<8, 1>(),
+                }
+                o0 += cols;
+            }
+        }
+    }
+
+    /// One group of output channels of [`weight_product`]: `n` and `du` from its first.
+    struct Gradients {
+        v: *const f32,
+        n: *const f32,
+        du: *mut f32,
+        wic: usize,
+        oc: usize,
+        count: usize,
+        fresh: bool,
+        /// The lanes of each vector of the group.
+        masks: [__mmask16; 4],
+    }
+
+    impl Gradients {
+        /// Every input channel, `P` at a time, then one at a time.
+        #[inline(always)]
+        unsafe fn rows<const P: usize, const Z: usize>(&self) {
+            let mut c = 0;
+            while c + P <= self.wic {
+                self.tile::<P, Z>(c);
+                c += P;
+            }
+            while c < self.wic {
+                self.tile::<1, Z>(c);
+                c += 1;
+            }
+        }
+
+        /// Input channels `c..c + P` by the group's `Z` vectors.
+        #[inline(always)]
+        unsafe fn tile<const P: usize, const Z: usize>(&self, c: usize) {
+            let mut acc = [[_mm512_setzero_ps(); Z]; P];
+            if !self.fresh {
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    for z in 0..Z {
+                        let at = self.du.add((c + i) * self.oc + 16 * z);
+                        acc[z] = _mm512_maskz_loadu_ps(self.masks[z], at);
+                    }
+                }
+            }
+            for t in 0..self.count {
+                let (vt, nt) = (self.v.add(t * self.wic + c), self.n.add(t * self.oc));
+                let mut nv = [_mm512_setzero_ps(); Z];
+                for z in 0..Z {
+                    nv[z] = _mm512_maskz_loadu_ps(self.masks[z], nt.add(16 * z));
+                }
+                for (i, acc) in acc.iter_mut().enumerate() {
+                    let x = _mm512_set1_ps(*vt.add(i));
+                    for z in 0..Z {
+                        acc[z] = _mm512_fmadd_ps(x, nv[z], acc[z]);
+                    }
+                }
+            }
+            for (i, acc) in acc.iter().enumerate() {
+                for z in 0..Z {
+                    let at = self.du.add((c + i) * self.oc + 16 * z);
+                    _mm512_mask_storeu_ps(at, self.masks[z], acc[z]);
+                }
             }
         }
     }
@@ -867,6 +1020,75 @@ mod tests {
                     transpose(&w, cols, ic, &mut wt);
                     (d.wt, d.ldt) = (wt.as_ptr(), cols);
                     check(&d, &x, &w, "nonzero inputs");
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn wide_weight_products_give_the_avx2_kernels_bits() {
+        if !crate::simd::avx512() {
+            eprintln!("no AVX-512 on this CPU (or CONV2D_SIMD asks for narrower kernels): the wide products cannot run here");
+            return;
+        }
+        let mut rng = crate::Rng::seed_from_u64(4);
+        let mut values =
+            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect() };
+        // Groups of 4 vectors, then of 3, 2 or 1, the last one 8 lanes wide or whole; input
+        // channels in whole tiles and not.
+        for oc in [8, 16, 24, 32, 48, 64, 72, 88, 112] {
+            for wic in [1, 5, 8, 12, 13, 64] {
+                for count in [1, 6, 17] {
+                    for fresh in [true, false] {
+                        let p = WeightProduct {
+                            elems: 2,
+                            rows: 18,
+                            wic,
+                            oc,
+                        };
+                        let v = values(p.elems * p.rows * wic);
+                        let n = values(p.elems * p.rows * oc);
+                        let start = values(p.elems * wic * oc);
+                        // The 8-lane kernel's sums: from zero or the values there, fused
+                        // multiply-adds over the rows in order.
+                        let mut want = start.clone();
+                        for e in 0..p.elems {
+                            for c in 0..wic {
+                                for o in 0..oc {
+                                    let at = (e * wic + c) * oc + o;
+                                    let mut acc = if fresh { 0.0 } else { want[at] };
+                                    for t in 0..count {
+                                        let (x, g) = (
+                                            v[(e * p.rows + t) * wic + c],
+                                            n[(e * p.rows + t) * oc + o],
+                                        );
+                                        acc = x.mul_add(g, acc);
+                                    }
+                                    want[at] = acc;
+                                }
+                            }
+                        }
+                        let mut got = start;
+                        // SAFETY: the buffers have the lengths `WeightProduct` describes.
+                        let ran = unsafe {
+                            weight_product(
+                                &p,
+                                v.as_ptr(),
+                                n.as_ptr(),
+                                got.as_mut_ptr(),
+                                count,
+                                fresh,
+                            )
+                        };
+                        assert!(ran);
+                        for (i, (g, w)) in got.iter().zip(&want).enumerate() {
+                            assert_eq!(
+                                g.to_bits(),
+                                w.to_bits(),
+                                "oc {oc} wic {wic} count {count} fresh {fresh} at {i}"
+                            );
+                        }
+                    }
                 }
             }
         }

@@ -784,6 +784,10 @@ fn weight_tiles(spec: &Spec, plan: Plan, blk: &Blocking) -> (Vec<TokenStream>, T
         unsafe fn __wino_weight_product<__S: #rt::Simd<Elem = __A>>(
             v: *const __A, n: *const __A, du: *mut __A, count: usize, fresh: bool,
         ) {
+            let wide = #rt::wide::WeightProduct { elems: __ELEMS, rows: __WCT, wic: __WIC, oc: __OC };
+            if __S::wide_weight_product(&wide, v, n, du, count, fresh) {
+                return;
+            }
             for e in 0..__ELEMS {
                 let (ve, ne, de) = (v.add(e * __WCT * __WIC), n.add(e * __WCT * __OC), du.add(e * __WIC * __OC));
                 #(#blocks)*
