@@ -2,11 +2,11 @@
 //! layers' forward dot products and gradients run on it (`conv_runtime::wide`), and must give
 //! the AVX2 kernels' bits: the same result on every x86-64 CPU with AVX2. Each Winograd
 //! variant's and three dense layers' evaluate, training forward and backward pass (whose input
-//! gradient is a product too; a dense layer's gradients skip the zeros of a ReLU) run here, and
-//! again in a copy of this test run with `CONV2D_SIMD=avx2` (the choice is made once per
-//! process); every value must match bit for bit. The optimizers' steps (Adam, RMSprop, SGD) run
-//! on AVX-512 too: their running means are driven denormal here, and the steps' bits must match
-//! as well. (A test binary of its own: the copy is this binary, run with a filter.)
+//! and weight gradients are products too; a dense layer's gradients skip the zeros of a ReLU)
+//! run here, and again in a copy of this test run with `CONV2D_SIMD=avx2` (the choice is made
+//! once per process); every value must match bit for bit. The optimizers' steps (Adam, RMSprop,
+//! SGD) run on AVX-512 too: their running means are driven denormal here, and the steps' bits
+//! must match as well. (A test binary of its own: the copy is this binary, run with a filter.)
 
 use conv_runtime::prelude::*;
 
