@@ -726,7 +726,7 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
     assert!(
         S::LANES == L
             && xs % L == 0
-            && p.block % L == 0
+            && p.block.is_multiple_of(L)
             && ys.end <= y_len
             && w.len() >= p.oc * window
             && out.len() >= V::N * V::N * wic * p.oc,
@@ -779,7 +779,7 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
                 g[a][b] = if p.k_inner {
                     // Lanes along output channels, `window` apart.
                     lanes(x0 * window + y_at + off, window)
-                } else if p.ic % L == 0 {
+                } else if p.ic.is_multiple_of(L) {
                     // Lanes along staged channels inside one block: contiguous.
                     lanes(y_at + staged(x0) + off, 1)
                 } else {
