@@ -87,14 +87,15 @@ pub struct WeightProduct {
     pub rows: usize,
     /// Staged input channels: `v`'s row width, `du`'s rows.
     pub wic: usize,
-    /// Output channels, a multiple of 8: `n`'s and `du`'s row width.
+    /// Output channels: `n`'s and `du`'s row width. The wide kernel runs where they are a
+    /// multiple of 8.
     pub oc: usize,
 }
 
 /// Runs `p`'s products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
 /// Each output starts from zero where `fresh` (else from `du`) and adds its products over the
 /// rows in order, one fused multiply-add each, as the generated 8-lane kernel does: the same
-/// bits, 16 output channels to a register instead of 8, in tiles of 16 or 18 accumulators.
+/// bits, 16 output channels to a register instead of 8, in tiles of up to 18 accumulators.
 ///
 /// # Safety
 /// `v` holds `p.elems * p.rows * p.wic` values, `n` holds `p.elems * p.rows * p.oc` and `du`

@@ -259,7 +259,9 @@ impl Variant for F4x3 {
     unsafe fn g<S: Simd>(x: [S; MAX]) -> [S; MAX] {
         let k = |v: f64| S::splat(c(v));
         let (s, d) = (x[0].add(x[2]), x[1]);
-        let (u, v) = (S::fma(k(4.0), x[2], x[0]), k(2.0).mul(x[1]));
+        // A multiply and an add, not `fma`: every weight transform's operations round the
+        // same on every vector type (`Lanes`' `fma` is unfused), so the packed copies do too.
+        let (u, v) = (k(4.0).mul(x[2]).add(x[0]), k(2.0).mul(x[1]));
         pad([
             x[0].mul(k(0.25)),
             s.add(d).mul(k(-1.0 / 6.0)),
@@ -648,8 +650,8 @@ pub struct Packing {
 /// The operations are the ones the layer would run itself, in the same order.
 ///
 /// # Safety
-/// The rows `ys` of `out` are the caller's alone while it runs. Channel counts are multiples
-/// of `L`; `w` and `out` hold the layer's weights and their transforms (checked).
+/// The rows `ys` of `out` are the caller's alone while it runs. Channel counts and `p.block`
+/// are multiples of `L`; `w` and `out` hold the layer's weights and their transforms (checked).
 pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
     p: &Packing,
     w: &[T],
@@ -666,9 +668,9 @@ pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
             ys: Range<usize>,
         ) {
             use std::any::TypeId;
-            // f32 and f64 weights on the AVX2 vectors (their `fma` is fused where `Lanes`' is
-            // not: the weight transforms' only one multiplies by 4, exact either way). SAFETY:
-            // `T` is the type named, and its own accumulator.
+            // f32 and f64 weights on the AVX2 vectors (the weight transforms use no `fma`, the
+            // one operation they round differently from `Lanes`). SAFETY: `T` is the type
+            // named, and its own accumulator.
             if L == 8 && TypeId::of::<T>() == TypeId::of::<f32>() {
                 let out = std::mem::transmute_copy::<_, crate::cpu::Shared<'_, f32>>(&out);
                 let w = std::slice::from_raw_parts(w.as_ptr().cast::<f32>(), w.len());
@@ -709,7 +711,7 @@ pub unsafe fn pack<V: Variant, T: crate::Element, const L: usize>(
     }
 }
 
-/// [`pack`]'s loops, inlined into its two instantiations.
+/// [`pack`]'s loops, inlined into each of its paths.
 // The lanes are filled by index, as the generated kernels do.
 #[allow(clippy::needless_range_loop)]
 #[inline(always)]
@@ -732,20 +734,28 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
             && out.len() >= V::N * V::N * wic * p.oc,
         "winograd::pack: weights or packed copy too short for {p:?}"
     );
-    // The weights and this part's rows of the copy, asked for in order first: the gathers
-    // and the element planes' stores below then find them in cache instead of waiting on
-    // memory line by line (in a training step the optimizer has just streamed every
-    // parameter through the caches).
-    prefetch_lines(w.as_ptr().cast(), std::mem::size_of_val(w));
-    let row_bytes = std::mem::size_of::<T::Acc>();
-    for e in 0..V::N * V::N {
-        for first in (0..xs).step_by(p.block) {
-            let width = p.block.min(xs - first);
-            let start = e * xs * y_len + y_len * first + ys.start * width;
-            prefetch_lines(
-                out.ptr(start).cast_const().cast(),
-                ys.len() * width * row_bytes,
-            );
+    // The weights this part reads and its rows of the copy, asked for in order first where
+    // they fit the L2 cache: the gathers and the element planes' stores below then find them in
+    // cache instead of waiting on memory line by line (in a training step the optimizer has
+    // just streamed every parameter through the caches).
+    let elem_bytes = std::mem::size_of::<T::Acc>();
+    let weights = if p.k_inner {
+        &w[..p.oc * window]
+    } else {
+        &w[ys.start * window..ys.end * window]
+    };
+    let rows_bytes = V::N * V::N * ys.len() * xs * elem_bytes;
+    if std::mem::size_of_val(weights) + rows_bytes <= PREFETCH_MOST {
+        prefetch_lines(weights.as_ptr().cast(), std::mem::size_of_val(weights));
+        for e in 0..V::N * V::N {
+            for first in (0..xs).step_by(p.block) {
+                let width = p.block.min(xs - first);
+                let start = e * xs * y_len + y_len * first + ys.start * width;
+                prefetch_lines(
+                    out.ptr(start).cast_const().cast(),
+                    ys.len() * width * elem_bytes,
+                );
+            }
         }
     }
     // Staged channel `c`'s tap (0, 0) in an output channel's window; staged tap (a, b) is
@@ -822,6 +832,9 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
         }
     }
 }
+
+/// Bytes [`pack`] asks for ahead at most: past the L2 cache the lines would evict each other.
+const PREFETCH_MOST: usize = 1 << 20;
 
 /// Vectors of a packed row transformed before they are stored, plane by plane.
 const RUN: usize = 4;
@@ -1026,8 +1039,8 @@ mod tests {
 
     /// Every value [`pack`] writes from `T` weights in vectors of `LANES`, against `G g G^T` of
     /// its one channel pair gathered straight from the OHWI weights in `T`'s accumulator, bit
-    /// for bit: both layouts, space-to-depth, blocks that do not divide the channels, and the
-    /// AVX2 vectors (f32, f64) and the portable ones (the half types) alike.
+    /// for bit: both layouts, space-to-depth, blocks that do not divide the channels. Where the
+    /// CPU has AVX2 and FMA, f32 and f64 run on its vectors and the half types on `Lanes`.
     fn pack_matches_one_pair_at_a_time<V: Variant, T: crate::Element, const LANES: usize>(
         sd: usize,
         ic: usize,
@@ -1098,21 +1111,22 @@ mod tests {
         pack_matches_one_pair_at_a_time::<F2x3S2, f64, L>(1, 4, 8, 12);
     }
 
-    /// f32 and the half types, on shapes with more rows and vectors than one run of the
-    /// packer's stores holds, narrower last blocks, and staged channels in blocks of fewer than
-    /// a vector's.
+    /// Every element type, on shapes with more rows and vectors than one run of the packer's
+    /// stores holds, narrower last blocks, and staged channels in blocks of fewer than a
+    /// vector's.
     #[test]
     fn pack_lays_out_every_element_type() {
-        fn each<T: crate::Element>() {
-            pack_matches_one_pair_at_a_time::<F4x3, T, 8>(1, 24, 40, 48);
-            pack_matches_one_pair_at_a_time::<F4x3, T, 8>(1, 40, 24, 16);
-            pack_matches_one_pair_at_a_time::<F3x2, T, 8>(2, 4, 32, 24);
-            pack_matches_one_pair_at_a_time::<F5x2, T, 8>(4, 4, 16, 16);
-            pack_matches_one_pair_at_a_time::<F2x3S2, T, 8>(1, 16, 24, 8);
-            pack_matches_one_pair_at_a_time::<F2x3, T, 8>(1, 16, 16, 16);
+        fn each<T: crate::Element, const LANES: usize>() {
+            pack_matches_one_pair_at_a_time::<F4x3, T, LANES>(1, 24, 40, 48);
+            pack_matches_one_pair_at_a_time::<F4x3, T, LANES>(1, 40, 24, 16);
+            pack_matches_one_pair_at_a_time::<F3x2, T, LANES>(2, 4, 32, 24);
+            pack_matches_one_pair_at_a_time::<F5x2, T, LANES>(4, 4, 16, 16);
+            pack_matches_one_pair_at_a_time::<F2x3S2, T, LANES>(1, 16, 24, 8);
+            pack_matches_one_pair_at_a_time::<F2x3, T, LANES>(1, 16, 16, 16);
         }
-        each::<f32>();
-        each::<half::f16>();
-        each::<half::bf16>();
+        each::<f32, 8>();
+        each::<f64, 4>();
+        each::<half::f16, 8>();
+        each::<half::bf16, 8>();
     }
 }
