@@ -698,6 +698,11 @@ mod avx512 {
 mod tests {
     use super::*;
 
+    /// `len` values drawn uniformly from [-1, 1).
+    fn uniform(rng: &mut crate::Rng, len: usize) -> Vec<f32> {
+        (0..len).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
+    }
+
     /// The AVX2 kernels' sums, one output at a time: fused multiply-adds from zero, in order.
     fn reference(p: &Product, a: &[f32], w: &[f32], o: &mut [f32], count: usize) {
         for e in 0..p.elems {
@@ -976,10 +981,11 @@ mod tests {
                         wt: std::ptr::null(),
                         ldt: 0,
                     };
-                    let mut fill = |len: usize| -> Vec<f32> {
-                        (0..len).map(|_| rng.uniform(-1.0, 1.0) as f32).collect()
-                    };
-                    let (mut x, mut w, bias) = (fill(rows * ic), fill(cols * ic), fill(cols));
+                    let (mut x, mut w, bias) = (
+                        uniform(&mut rng, rows * ic),
+                        uniform(&mut rng, cols * ic),
+                        uniform(&mut rng, cols),
+                    );
                     // A NaN in one product, and a row of `x` of negative zeros (its sums
                     // keep the sign of the zero they start from).
                     w[(cols - 1) * ic] = f32::NAN;
@@ -1033,8 +1039,6 @@ mod tests {
             return;
         }
         let mut rng = crate::Rng::seed_from_u64(4);
-        let mut values =
-            |n: usize| -> Vec<f32> { (0..n).map(|_| rng.uniform(-1.0, 1.0) as f32).collect() };
         // Groups of 4 vectors, then of 3, 2 or 1, the last one 8 lanes wide or whole; input
         // channels in whole tiles and not.
         for oc in [8, 16, 24, 32, 48, 64, 72, 88, 112] {
@@ -1047,9 +1051,9 @@ mod tests {
                             wic,
                             oc,
                         };
-                        let v = values(p.elems * p.rows * wic);
-                        let n = values(p.elems * p.rows * oc);
-                        let start = values(p.elems * wic * oc);
+                        let v = uniform(&mut rng, p.elems * p.rows * wic);
+                        let n = uniform(&mut rng, p.elems * p.rows * oc);
+                        let start = uniform(&mut rng, p.elems * wic * oc);
                         // The 8-lane kernel's sums: from zero or the values there, fused
                         // multiply-adds over the rows in order.
                         let mut want = start.clone();
@@ -1121,12 +1125,8 @@ mod tests {
                         n,
                         block,
                     };
-                    let a: Vec<f32> = (0..p.elems * p.rows * k)
-                        .map(|_| rng.uniform(-1.0, 1.0) as f32)
-                        .collect();
-                    let w: Vec<f32> = (0..p.elems * k * n)
-                        .map(|_| rng.uniform(-1.0, 1.0) as f32)
-                        .collect();
+                    let a = uniform(&mut rng, p.elems * p.rows * k);
+                    let w = uniform(&mut rng, p.elems * k * n);
                     let len = p.elems * p.rows * n;
                     let (mut got, mut want) = (vec![f32::NAN; len], vec![f32::NAN; len]);
                     reference(&p, &a, &w, &mut want, count);

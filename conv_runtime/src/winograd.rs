@@ -738,6 +738,9 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
     // they fit the L2 cache: the gathers and the element planes' stores below then find them in
     // cache instead of waiting on memory line by line (in a training step the optimizer has
     // just streamed every parameter through the caches).
+    // Row `y` of block `first` (`width` lanes wide) in element plane `e`: `U[e][block][y][x]`.
+    let row_at =
+        |e: usize, first: usize, width: usize, y: usize| e * xs * y_len + y_len * first + y * width;
     let elem_bytes = std::mem::size_of::<T::Acc>();
     let weights = if p.k_inner {
         &w[..p.oc * window]
@@ -746,12 +749,12 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
     };
     let rows_bytes = V::N * V::N * ys.len() * xs * elem_bytes;
     if std::mem::size_of_val(weights) + rows_bytes <= PREFETCH_MOST {
-        prefetch_lines(weights.as_ptr().cast(), std::mem::size_of_val(weights));
+        prefetch_lines::<S>(weights.as_ptr().cast(), std::mem::size_of_val(weights));
         for e in 0..V::N * V::N {
             for first in (0..xs).step_by(p.block) {
                 let width = p.block.min(xs - first);
-                let start = e * xs * y_len + y_len * first + ys.start * width;
-                prefetch_lines(
+                let start = row_at(e, first, width, ys.start);
+                prefetch_lines::<S>(
                     out.ptr(start).cast_const().cast(),
                     ys.len() * width * elem_bytes,
                 );
@@ -820,7 +823,7 @@ unsafe fn pack_on<V: Variant, T: crate::Element, S: Simd<Elem = T::Acc>, const L
                     }
                 }
                 for e in 0..V::N * V::N {
-                    let at = e * xs * y_len + y_len * first + y0 * width + x0 - first;
+                    let at = row_at(e, first, width, y0) + x0 - first;
                     let part = out.part(at, (rows - 1) * width + n * L).as_mut_ptr();
                     for (r, u) in u.iter().enumerate().take(rows) {
                         for (j, u) in u.iter().enumerate().take(n) {
@@ -842,21 +845,16 @@ const RUN: usize = 4;
 /// Rows of them.
 const ROWS: usize = 8;
 
-/// Asks for the cache lines of `bytes` bytes from `p` (a hint: no access, so it races with
-/// nothing; nothing where the target has no prefetch instruction).
+/// Asks for the cache lines of the `bytes` bytes from `p` ([`Simd::prefetch`]: a hint, no
+/// access, so it races with nothing).
+///
+/// # Safety
+/// The bytes lie inside one allocation.
 #[inline(always)]
-fn prefetch_lines(p: *const u8, bytes: usize) {
-    #[cfg(target_arch = "x86_64")]
+unsafe fn prefetch_lines<S: Simd>(p: *const u8, bytes: usize) {
     for i in (0..bytes).step_by(64) {
-        // SAFETY: a prefetch never faults, and `wrapping_add` makes no claim on the address.
-        unsafe {
-            std::arch::x86_64::_mm_prefetch::<{ std::arch::x86_64::_MM_HINT_T0 }>(
-                p.wrapping_add(i).cast::<i8>(),
-            )
-        }
+        S::prefetch(p.add(i).cast());
     }
-    #[cfg(not(target_arch = "x86_64"))]
-    let _ = (p, bytes);
 }
 
 #[cfg(test)]
