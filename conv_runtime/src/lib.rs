@@ -46,6 +46,8 @@ mod params;
 mod rng;
 pub mod safetensors;
 pub mod simd;
+#[doc(hidden)]
+pub mod sums;
 mod team;
 mod tensor;
 #[doc(hidden)]
@@ -151,6 +153,7 @@ pub mod __private {
     pub use crate::onednn;
     pub use crate::packed_rows;
     pub use crate::simd::{self, avx2_fma, Simd};
+    pub use crate::sums;
     pub use crate::wide;
     pub use crate::winograd;
     pub use crate::{

@@ -774,11 +774,7 @@ pub fn bias_gradient() -> TokenStream {
                 // SAFETY: each part's own partial.
                 let sum = &mut unsafe { sums.part(p, 1) }[0];
                 let rows = __part_rows(p);
-                for px in dz[rows.start * __OC..rows.end * __OC].chunks_exact(__OC) {
-                    for c in 0..__OC {
-                        sum[c] += px[c];
-                    }
-                }
+                #rt::sums::add_channels(&dz[rows.start * __OC..rows.end * __OC], sum);
             });
         }
         let sum = __sum_parts(&partial);
