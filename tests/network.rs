@@ -432,6 +432,51 @@ fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
     }
 }
 
+conv_runtime::network! {
+    /// Max-pooling whose input gradient is a map of 2 MiB (`conv_runtime`'s `STREAM_BYTES`): the
+    /// backward pass writes it with streaming stores where the CPU has AVX-512.
+    pub struct PoolLarge {
+        input: [64, 64, 16],
+        batch: 8,
+        layers: [p: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
+    }
+}
+
+#[test]
+fn max_pooling_of_a_large_map_routes_every_gradient_to_its_winner() {
+    let ([h, w, c], batch) = ([64, 64, 16], 8);
+    // Quantized values: ties in most windows.
+    let mut rng = SplitMix64::new(17);
+    let x = PoolLargeInput::<8>::from_fn(|_| (rng.next_f64() * 8.0).floor() as f32 - 4.0);
+    let dy = PoolLargeOutput::<8>::from_fn(|_| rng.next_f64() as f32 - 0.5);
+    let xs: Vec<f64> = x.as_slice().iter().map(|v| f64::from(*v)).collect();
+    let (_, winner) = pool(&xs, [h, w, c], 3, 2, 1, true);
+    // Each input sums the gradients of the outputs it won, in output order, in f32.
+    let mut expected = vec![0.0f32; batch * h * w * c];
+    for (o, &at) in winner.iter().enumerate() {
+        expected[at] += dy.as_slice()[o];
+    }
+    let net = PoolLarge::new(&mut Rng::seed_from_u64(1));
+    for threads in [1, 2, 3] {
+        let mut cpu = Cpu::with_threads(threads).unwrap().__split_everything();
+        let mut state = PoolLargeState::new();
+        let mut net = net.clone();
+        net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
+        let (mut grads, mut dx) = (PoolLargeGrads::zeros(), PoolLargeInput::<8>::zeros());
+        net.backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train)
+            .unwrap();
+        let wrong = dx
+            .as_slice()
+            .iter()
+            .zip(&expected)
+            .position(|(g, e)| g.to_bits() != e.to_bits());
+        assert_eq!(
+            wrong, None,
+            "{threads} threads: the first wrong input gradient"
+        );
+    }
+}
+
 /// `(i, j, ch)` over an `oh x ow x c` map, row-major.
 fn map_positions(oh: usize, ow: usize, c: usize) -> impl Iterator<Item = (usize, usize, usize)> {
     (0..oh).flat_map(move |i| (0..ow).flat_map(move |j| (0..c).map(move |ch| (i, j, ch))))

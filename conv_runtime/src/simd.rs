@@ -229,6 +229,13 @@ pub fn avx512() -> bool {
     })
 }
 
+/// Bytes from which a pass writes a map it does not read again with streaming stores (around
+/// the caches): more than a core's L2 cache on the machines measured (2 MiB), so that the map's
+/// reader finds it in memory either way, and its lines are not first read from memory only to
+/// be overwritten.
+#[doc(hidden)]
+pub const STREAM_BYTES: usize = 2 << 20;
+
 /// Whether `CONV2D_SIMD` asks for `value`'s kernels.
 fn asked(value: &str) -> bool {
     std::env::var_os("CONV2D_SIMD").is_some_and(|v| v == value)

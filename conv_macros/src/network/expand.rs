@@ -740,6 +740,11 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                 }
                 out
             };
+            // Whether the backward pass can write a large map's gradient with streaming stores
+            // (see `#backward`).
+            let streams = matches!(kind, PoolKind::Max)
+                && net.dtype == Dtype::F32
+                && c_value.is_multiple_of(16);
             // Per kind: what a call sets up, each output row's extra slices, each output
             // pixel's body (after `window`), and each input pixel's gradient (after the
             // covering outputs).
@@ -778,6 +783,26 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 }
                             }
                         });
+                        // A large map's gradient is written around the caches (see `#backward`):
+                        // f32 rows of whole zmm vectors, where the caller found AVX-512 and the
+                        // map aligned.
+                        let stream_store = streams.then(|| {
+                            quote! {
+                                #[cfg(target_arch = "x86_64")]
+                                if stream {
+                                    // SAFETY: AVX-512F is present and `dx` (a row of whole
+                                    // cache lines in a map aligned to one) is aligned to 64
+                                    // bytes: the caller checked both.
+                                    unsafe {
+                                        use ::core::arch::x86_64::{_mm512_loadu_ps, _mm512_stream_ps};
+                                        for v in 0..#c / 16 {
+                                            _mm512_stream_ps(dx.as_mut_ptr().add(16 * v), _mm512_loadu_ps(sum.as_ptr().add(16 * v)));
+                                        }
+                                    }
+                                    continue;
+                                }
+                            }
+                        });
                         // The gradient keeps whole channel rows: its one running sum per channel
                         // stays in registers as it is (chunks of it ran 4x slower).
                         let backward = quote! {
@@ -793,6 +818,7 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                                 }
                             }
                             let dx = &mut dx[w * #c..(w + 1) * #c];
+                            #stream_store
                             for ch in 0..#c {
                                 dx[ch] = #from_acc(sum[ch]);
                             }
@@ -878,8 +904,8 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                 },
             );
             let backward_rows = rows_fn(
-                quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>),
-                quote!(dy, winners, dxs, range),
+                quote!(dy: &[#t], winners: &[u32], dxs: &#rt::Shared<'_, #t>, range: ::core::ops::Range<usize>, stream: bool),
+                quote!(dy, winners, dxs, range, stream),
                 quote! {
                     #backward_setup
                     for row in range {
@@ -892,6 +918,13 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                             #backward_pixel
                         }
                     }
+                    // The streaming stores are ordered before the workers' join.
+                    #[cfg(target_arch = "x86_64")]
+                    if stream {
+                        // SAFETY: SSE is part of x86-64.
+                        unsafe { ::core::arch::x86_64::_mm_sfence() };
+                    }
+                    let _ = stream;
                 },
             );
             let (what, gradient) = match kind {
@@ -990,9 +1023,16 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     dx: &mut [#t],
                 ) {
                     #backward_rows
+                    // A map larger than a core's L2 cache is written with streaming stores:
+                    // its reader finds it in memory either way, and the lines are not first
+                    // read from memory to be overwritten.
+                    let stream = #streams
+                        && ::core::mem::size_of_val(dx) >= #rt::simd::STREAM_BYTES
+                        && (dx.as_ptr() as usize).is_multiple_of(64)
+                        && #rt::simd::avx512();
                     let dxs = #rt::Shared::new(dx);
                     pool.split(__B * #ih, #iw * #c * #kh * #kw, &|range| {
-                        __rows::<{ __B }, true>(dy, winners, &dxs, range)
+                        __rows::<{ __B }, true>(dy, winners, &dxs, range, stream)
                     });
                 }
             }
