@@ -433,22 +433,27 @@ fn max_pooling_follows_pytorch_on_ties_nan_and_negative_infinity() {
 }
 
 conv_runtime::network! {
-    /// Max-pooling whose input gradient is a map of 2 MiB (`conv_runtime`'s `STREAM_BYTES`): the
-    /// backward pass writes it with streaming stores where the CPU has AVX-512.
+    /// Max-pooling whose input gradient is a map of 4 MiB, twice `conv_runtime`'s
+    /// `STREAM_BYTES`: the backward pass writes it with streaming stores where the CPU has
+    /// AVX-512.
     pub struct PoolLarge {
         input: [64, 64, 16],
-        batch: 8,
+        batch: 16,
         layers: [p: MaxPool2d { kernel: 3, stride: 2, padding: 1 }],
     }
 }
 
 #[test]
 fn max_pooling_of_a_large_map_routes_every_gradient_to_its_winner() {
-    let ([h, w, c], batch) = ([64, 64, 16], 8);
+    let ([h, w, c], batch) = ([64, 64, 16], 16);
+    assert!(batch * h * w * c * 4 >= 2 * conv_runtime::simd::STREAM_BYTES);
+    if !conv_runtime::simd::avx512() {
+        eprintln!("no AVX-512 (or CONV2D_SIMD): the gradient is written without streaming stores");
+    }
     // Quantized values: ties in most windows.
     let mut rng = SplitMix64::new(17);
-    let x = PoolLargeInput::<8>::from_fn(|_| (rng.next_f64() * 8.0).floor() as f32 - 4.0);
-    let dy = PoolLargeOutput::<8>::from_fn(|_| rng.next_f64() as f32 - 0.5);
+    let x = PoolLargeInput::<16>::from_fn(|_| (rng.next_f64() * 8.0).floor() as f32 - 4.0);
+    let dy = PoolLargeOutput::<16>::from_fn(|_| rng.next_f64() as f32 - 0.5);
     let xs: Vec<f64> = x.as_slice().iter().map(|v| f64::from(*v)).collect();
     let (_, winner) = pool(&xs, [h, w, c], 3, 2, 1, true);
     // Each input sums the gradients of the outputs it won, in output order, in f32.
@@ -462,7 +467,7 @@ fn max_pooling_of_a_large_map_routes_every_gradient_to_its_winner() {
         let mut state = PoolLargeState::new();
         let mut net = net.clone();
         net.forward(&mut cpu, &x, &mut state, Mode::Train).unwrap();
-        let (mut grads, mut dx) = (PoolLargeGrads::zeros(), PoolLargeInput::<8>::zeros());
+        let (mut grads, mut dx) = (PoolLargeGrads::zeros(), PoolLargeInput::<16>::zeros());
         net.backward_full(&mut cpu, &state, &x, &dy, &mut dx, &mut grads, Mode::Train)
             .unwrap();
         let wrong = dx

@@ -211,10 +211,11 @@ pub fn avx2_fma() -> bool {
 }
 
 /// Whether the Winograd layers' products and tile transforms and the dense layers' forward dot
-/// products run on AVX-512 ([`crate::wide`]): where the AVX2 kernels run and the CPU has
-/// AVX-512F and AVX-512VL (the 256-bit halves in registers 16-31), and POPCNT (every AVX-512
-/// CPU: the kernels count their masks' bits), unless `CONV2D_SIMD=avx2` asks for AVX2 alone
-/// (to compare). Decided once per process.
+/// products run on AVX-512 ([`crate::wide`]), and the networks' pooling rows with them (a large
+/// max-pooling gradient with streaming stores, [`STREAM_BYTES`]): where the AVX2 kernels run and
+/// the CPU has AVX-512F and AVX-512VL (the 256-bit halves in registers 16-31), and POPCNT (every
+/// AVX-512 CPU: the kernels count their masks' bits), unless `CONV2D_SIMD=avx2` asks for AVX2
+/// alone (to compare). Decided once per process.
 #[inline]
 pub fn avx512() -> bool {
     static CHOICE: std::sync::OnceLock<bool> = std::sync::OnceLock::new();
@@ -230,9 +231,10 @@ pub fn avx512() -> bool {
 }
 
 /// Bytes from which a pass writes a map it does not read again with streaming stores (around
-/// the caches): more than a core's L2 cache on the machines measured (2 MiB), so that the map's
-/// reader finds it in memory either way, and its lines are not first read from memory only to
-/// be overwritten.
+/// the caches): a core's L2 cache on the machine measured (2 MiB, 2 vCPUs), past which the
+/// map's reader mostly misses it anyway, and its lines are not first read from memory only to be
+/// overwritten. (Streaming stores skip the shared L3 too: on a machine whose L3 holds such a
+/// map, this may not pay.)
 #[doc(hidden)]
 pub const STREAM_BYTES: usize = 2 << 20;
 

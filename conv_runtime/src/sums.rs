@@ -1,10 +1,10 @@
 //! Per-channel sums over the pixels of channels-last maps: the layers' bias gradients.
 //!
 //! Written as a loop over pixels that adds each channel into a running sum, the generated
-//! passes kept the sums in memory (the part's slot) and added one scalar at a time: the IMPALA
-//! CNN's training step spent 2% of its time there. Here the sums stay in registers and the
-//! channels are added lane-wise, a vector at a time: each channel's sum is the same chain of
-//! additions in pixel order, so the bits do not change.
+//! passes kept the sums in memory (the part's slot) and added one scalar at a time: 3.3% of the
+//! IMPALA CNN's training step at one thread. Here the sums are a local array (in registers where
+//! they fit) and the channels are added lane-wise, a vector at a time: each channel's sum is the
+//! same chain of additions in pixel order, so the bits do not change.
 
 use crate::element::Real;
 

@@ -692,8 +692,10 @@ fn kernels(net: &Network, e: &Entry) -> TokenStream {
                     unsafe fn __rows_avx2<const __B: usize, const __KEEP: bool>(#params) {
                         __rows_body::<{ __B }, { __KEEP }>(#args)
                     }
-                    // On zmm where the CPU has AVX-512: a 16-lane chunk's comparisons and
-                    // selections are one instruction each, not two (exact either way).
+                    // Where the CPU has AVX-512, a 16-lane chunk in one zmm register instead of
+                    // two ymm: max-pooling's comparisons and selections one instruction each
+                    // (where the compiler takes the 512-bit width). Lane-wise either way: the
+                    // same bits.
                     #[cfg(target_arch = "x86_64")]
                     #[target_feature(enable = "avx512f,avx512vl,avx2,fma")]
                     unsafe fn __rows_avx512<const __B: usize, const __KEEP: bool>(#params) {
