@@ -105,11 +105,7 @@ fn forward(spec: &Spec) -> TokenStream {
                         // SAFETY: each part's own partial.
                         let sum = &mut unsafe { sums.part(p, 1) }[0];
                         let rows = __part_rows(p);
-                        for px in z[rows.start * __OC..rows.end * __OC].chunks_exact(__OC) {
-                            for c in 0..__OC {
-                                sum[c] += #to_acc(px[c]);
-                            }
-                        }
+                        #rt::sums::add_channels(&z[rows.start * __OC..rows.end * __OC], sum);
                     });
                 }
                 let sum = __sum_parts(&partial);
