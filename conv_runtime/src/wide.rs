@@ -95,8 +95,9 @@ pub struct WeightProduct {
 /// Runs `p`'s products on AVX-512 where [`crate::simd::avx512`] chooses it: `true` if it did.
 /// Each output starts from zero where `fresh` (else from `du`) and adds its products over the
 /// rows in order, one fused multiply-add each, as the generated 8-lane kernel does: the same
-/// bits, 16 output channels to a register instead of 8, in tiles of 16 to 24 accumulators
-/// (16 input channels by one vector where the layer has 16 output channels: 8 ran 9% slower).
+/// bits, 16 output channels to a register instead of 8, in tiles of 24 accumulators, or 16
+/// input channels by one vector where a group's output channels fit one (8 input channels ran
+/// 9% slower at 16 channels).
 ///
 /// # Safety
 /// `v` holds `p.elems * p.rows * p.wic` values, `n` holds `p.elems * p.rows * p.oc` and `du`
